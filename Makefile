@@ -1,0 +1,68 @@
+# idempotency: a PostgreSQL extension for retry-safe APIs.
+#
+#   make test   install what is missing, build, install, and run every suite
+#               (pg_regress, isolation, TAP) against temporary instances
+#   make demo   a tour of the extension on a throwaway cluster
+#
+# Both are scripts under scripts/; the rest of this file is a plain PGXS
+# build.  PG_CONFIG picks the server version (default: PostgreSQL 15).
+
+EXTENSION = idempotency
+MODULE_big = idempotency
+OBJS = \
+	src/idempotency.o \
+	src/guc.o \
+	src/tables.o \
+	src/keys.o \
+	src/fingerprint.o
+DATA = idempotency--1.0.sql
+PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
+
+# Warnings are errors.  -Wextra's unused-parameter fires on the server's own
+# headers and on callback signatures (hooks, relcache callbacks), so it
+# stays off.
+PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter
+
+TEST_CONF = $(CURDIR)/test/idempotency.conf
+
+# pg_regress: one file per topic under sql/, expected output under expected/
+REGRESS = keys_claim keys_complete keys_lease keys_fingerprint keys_input \
+	keys_release_policy keys_security
+REGRESS_OPTS = --temp-config=$(TEST_CONF) --temp-instance=$(CURDIR)/tmp_check
+
+# pg_isolation_regress: specs/*.spec, expected output under expected/
+ISOLATION = claim_concurrent claim_rollback claim_lease claim_isolation_levels
+ISOLATION_OPTS = --temp-config=$(TEST_CONF) --temp-instance=$(CURDIR)/tmp_check_iso
+
+# TAP: t/*.pl, each starting its own PostgreSQL::Test::Cluster
+TAP_TESTS = 1
+
+PG_CONFIG ?= $(firstword $(wildcard /usr/lib/postgresql/15/bin/pg_config) pg_config)
+PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
+
+ifneq ($(PGXS),)
+include $(PGXS)
+else
+all:
+	@echo "PostgreSQL's server development files are missing: run 'make test' (as root, it installs them) or install postgresql-server-dev-15." >&2
+	@exit 1
+endif
+
+.PHONY: test demo check-regress check-isolation check-tap
+
+test:
+	PG_CONFIG=$(PG_CONFIG) scripts/test.sh
+
+demo:
+	PG_CONFIG=$(PG_CONFIG) scripts/demo.sh
+
+# The three suites one by one, against the installed extension; scripts/test.sh
+# runs all of them and reports each.
+check-regress:
+	$(pg_regress_installcheck) $(REGRESS_OPTS) $(REGRESS)
+
+check-isolation:
+	$(pg_isolation_regress_installcheck) $(ISOLATION_OPTS) $(ISOLATION)
+
+check-tap:
+	$(prove_installcheck)

@@ -1,0 +1,211 @@
+/*-------------------------------------------------------------------------
+ *
+ * guc.c
+ *	  The extension's settings: definitions, defaults, and the parser that
+ *	  turns idempotency.release_statuses into a lookup table.
+ *
+ * Every setting lives under the prefix "idempotency.", which is reserved so
+ * that a misspelt name is reported instead of silently accepted.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include <ctype.h>
+#include <limits.h>
+
+#include "utils/guc.h"
+
+#include "compat.h"
+#include "guc.h"
+
+#define FIRST_STATUS	100
+#define LAST_STATUS		599
+
+int			idem_key_ttl_s = 24 * 60 * 60;
+int			idem_lease_ms = 60 * 1000;
+
+static char *release_statuses_string = NULL;
+
+/*
+ * The parsed form of idempotency.release_statuses: released[s] is true when
+ * status s is transient.  Built by the check hook (as GUC "extra" data, so
+ * that a bad value is rejected before anything changes) and installed by the
+ * assign hook.
+ */
+typedef struct ReleaseSet
+{
+	bool		released[LAST_STATUS + 1];
+} ReleaseSet;
+
+static const ReleaseSet *release_set = NULL;
+
+/*
+ * Read one status code at *p, advancing it; false if there is none or it is
+ * outside 100..599.
+ */
+static bool
+parse_status(const char **p, int *status)
+{
+	long		value = 0;
+	int			digits = 0;
+
+	while (isdigit((unsigned char) **p) && digits < 4)
+	{
+		value = value * 10 + (**p - '0');
+		(*p)++;
+		digits++;
+	}
+	if (digits == 0 || isdigit((unsigned char) **p) ||
+		value < FIRST_STATUS || value > LAST_STATUS)
+		return false;
+	*status = (int) value;
+	return true;
+}
+
+static void
+skip_spaces(const char **p)
+{
+	while (isspace((unsigned char) **p))
+		(*p)++;
+}
+
+/*
+ * Check hook: parse a list such as "408,425,429,500-599".  Items are status
+ * codes or inclusive ranges, separated by commas; white space is allowed
+ * around them; an empty list releases nothing.
+ */
+static bool
+check_release_statuses(char **newval, void **extra, GucSource source)
+{
+	ReleaseSet	set;
+	const char *p = *newval;
+	ReleaseSet *result;
+
+	memset(&set, 0, sizeof(set));
+
+	skip_spaces(&p);
+	while (*p != '\0')
+	{
+		const char *item = p;
+		int			first;
+		int			last;
+
+		if (!parse_status(&p, &first))
+		{
+			GUC_check_errdetail("\"%.*s\" is not an HTTP status code between %d and %d.",
+								(int) strcspn(item, ","), item,
+								FIRST_STATUS, LAST_STATUS);
+			return false;
+		}
+		last = first;
+		skip_spaces(&p);
+		if (*p == '-')
+		{
+			p++;
+			skip_spaces(&p);
+			if (!parse_status(&p, &last) || last < first)
+			{
+				GUC_check_errdetail("\"%.*s\" is not a range of HTTP status codes between %d and %d.",
+									(int) strcspn(item, ","), item,
+									FIRST_STATUS, LAST_STATUS);
+				return false;
+			}
+			skip_spaces(&p);
+		}
+		for (int status = first; status <= last; status++)
+			set.released[status] = true;
+
+		if (*p == ',')
+		{
+			p++;
+			skip_spaces(&p);
+			if (*p == '\0')
+			{
+				GUC_check_errdetail("The list ends with a comma.");
+				return false;
+			}
+		}
+		else if (*p != '\0')
+		{
+			GUC_check_errdetail("Expected a comma after \"%.*s\".",
+								(int) (p - item), item);
+			return false;
+		}
+	}
+
+	/* GUC "extra" data is malloc'd, not palloc'd: the GUC code frees it */
+	result = (ReleaseSet *) malloc(sizeof(ReleaseSet));
+	if (result == NULL)
+	{
+		GUC_check_errcode(ERRCODE_OUT_OF_MEMORY);
+		return false;
+	}
+	memcpy(result, &set, sizeof(ReleaseSet));
+	*extra = result;
+	return true;
+}
+
+static void
+assign_release_statuses(const char *newval, void *extra)
+{
+	release_set = (const ReleaseSet *) extra;
+}
+
+bool
+idem_status_is_released(int status_code)
+{
+	Assert(status_code >= FIRST_STATUS && status_code <= LAST_STATUS);
+	return release_set != NULL && release_set->released[status_code];
+}
+
+Interval *
+idem_interval_from_ms(int64 ms)
+{
+	Interval   *result = (Interval *) palloc0(sizeof(Interval));
+
+	result->time = ms * INT64CONST(1000);
+	return result;
+}
+
+void
+idem_define_gucs(void)
+{
+	DefineCustomIntVariable("idempotency.key_ttl",
+							"How long a completed response is kept.",
+							"Counted from completion.  Used when idem_claim is "
+							"called without a ttl.  An expired key is claimable "
+							"again at once, before the background worker purges it.",
+							&idem_key_ttl_s,
+							24 * 60 * 60, 1, INT_MAX,
+							PGC_USERSET,
+							GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.lease",
+							"How long a committed in-progress claim is protected.",
+							"Used when idem_claim is called without a lease.  "
+							"When it runs out before idem_complete or idem_release, "
+							"the next claim takes the key over with attempt + 1.",
+							&idem_lease_ms,
+							60 * 1000, 1, INT_MAX,
+							PGC_USERSET,
+							GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomStringVariable("idempotency.release_statuses",
+							   "HTTP status codes that idem_complete releases instead of storing.",
+							   "A comma-separated list of codes and inclusive ranges "
+							   "between 100 and 599, such as \"408,425,429,500-599\".  "
+							   "A released key can be claimed again, so a retry runs "
+							   "the operation again.",
+							   &release_statuses_string,
+							   "408,425,429,500-599",
+							   PGC_USERSET,
+							   GUC_LIST_INPUT,
+							   check_release_statuses,
+							   assign_release_statuses,
+							   NULL);
+
+	MarkGUCPrefixReserved("idempotency");
+}

@@ -1,0 +1,27 @@
+/*-------------------------------------------------------------------------
+ *
+ * guc.h
+ *	  The extension's settings, all under the reserved prefix "idempotency."
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEMPOTENCY_GUC_H
+#define IDEMPOTENCY_GUC_H
+
+#include "datatype/timestamp.h"
+
+/* idempotency.key_ttl, in seconds */
+extern int	idem_key_ttl_s;
+
+/* idempotency.lease, in milliseconds */
+extern int	idem_lease_ms;
+
+extern void idem_define_gucs(void);
+
+/* Is this HTTP status transient (released, not stored)?  See release_statuses. */
+extern bool idem_status_is_released(int status_code);
+
+/* A positive number of milliseconds as an interval (for GUC defaults). */
+extern Interval *idem_interval_from_ms(int64 ms);
+
+#endif							/* IDEMPOTENCY_GUC_H */

@@ -1,0 +1,569 @@
+/*-------------------------------------------------------------------------
+ *
+ * keys.c
+ *	  Idempotency keys: idem_claim, idem_complete, idem_release and
+ *	  idem_checkpoint.
+ *
+ * A row of idempotency.keys is in progress while status_code is NULL and
+ * completed once a response is stored.  idem_claim decides, from one probe
+ * of the primary key under a dirty snapshot (see tables.c), between:
+ *
+ *	 no row, or an expired one		-> insert / reset it: claimed, attempt 1
+ *	 a row being inserted now		-> in_progress (its transaction owns it)
+ *	 other fingerprint				-> mismatch
+ *	 completed						-> replay
+ *	 being modified now				-> in_progress (its owner is finishing)
+ *	 in progress, lease running		-> in_progress
+ *	 in progress, lease run out		-> take over: claimed, attempt + 1
+ *
+ * and never waits: the only writes it makes are an insert that gives up on
+ * a duplicate and an update that gives up on a locked row.  So a claim that
+ * does not answer "claimed" holds no lock and no row that anyone could wait
+ * for, however long its transaction stays open.
+ *
+ * Uniqueness comes from the primary key alone, which is what makes two
+ * "claimed" answers for one key impossible to commit together at any
+ * isolation level.  Under REPEATABLE READ and SERIALIZABLE, a row that the
+ * transaction's snapshot cannot see is not overwritten: that raises a
+ * serialization failure, as an UPDATE would.
+ *
+ * Times are wall-clock (GetCurrentTimestamp), not transaction start: a lease
+ * or a ttl counts from the moment the claim or the completion happens.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/htup_details.h"
+#include "access/xact.h"
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "storage/lmgr.h"
+#include "utils/builtins.h"
+#include "utils/jsonb.h"
+#include "utils/timestamp.h"
+
+#include "guc.h"
+#include "idempotency.h"
+#include "tables.h"
+
+PG_FUNCTION_INFO_V1(idem_claim);
+PG_FUNCTION_INFO_V1(idem_complete);
+PG_FUNCTION_INFO_V1(idem_release);
+PG_FUNCTION_INFO_V1(idem_checkpoint);
+
+/* Columns of idempotency.claim_result. */
+enum
+{
+	RESULT_OUTCOME,
+	RESULT_STATUS_CODE,
+	RESULT_BODY,
+	RESULT_HEADERS,
+	RESULT_ATTEMPT,
+	RESULT_RECOVERY_POINT,
+	RESULT_CREATED_AT,
+	RESULT_NATTS
+};
+
+/* A row of idempotency.keys, deformed. */
+typedef struct KeyRow
+{
+	Datum		values[Natts_keys];
+	bool		nulls[Natts_keys];
+} KeyRow;
+
+#define KEY_VALUE(row, col)		((row)->values[(col) - 1])
+#define KEY_ISNULL(row, col)	((row)->nulls[(col) - 1])
+#define KEY_SET(row, col, v)	((row)->values[(col) - 1] = (v), (row)->nulls[(col) - 1] = false)
+#define KEY_SET_NULL(row, col)	((row)->values[(col) - 1] = (Datum) 0, (row)->nulls[(col) - 1] = true)
+
+static void
+deform_key_row(IdemRelation *rel, const ProbeResult *found, KeyRow *row)
+{
+	heap_deform_tuple(found->tuple, RelationGetDescr(rel->heap),
+					  row->values, row->nulls);
+}
+
+static bool
+key_row_completed(const KeyRow *row)
+{
+	return !KEY_ISNULL(row, Anum_keys_status_code);
+}
+
+static bool
+key_row_expired(const KeyRow *row, TimestampTz now)
+{
+	return DatumGetTimestampTz(KEY_VALUE(row, Anum_keys_expires_at)) <= now;
+}
+
+/* Fingerprints are compared byte for byte, whatever the collation. */
+static bool
+bytes_equal(text *a, text *b)
+{
+	return VARSIZE_ANY_EXHDR(a) == VARSIZE_ANY_EXHDR(b) &&
+		memcmp(VARDATA_ANY(a), VARDATA_ANY(b), VARSIZE_ANY_EXHDR(a)) == 0;
+}
+
+static const char *
+text_for_message(text *t)
+{
+	return text_to_cstring(t);
+}
+
+/*
+ * The result type's descriptor, built once per call site and kept in
+ * fn_extra.
+ */
+static TupleDesc
+claim_result_desc(FunctionCallInfo fcinfo)
+{
+	if (fcinfo->flinfo->fn_extra == NULL)
+	{
+		TupleDesc	desc;
+		MemoryContext oldcxt;
+
+		if (get_call_result_type(fcinfo, NULL, &desc) != TYPEFUNC_COMPOSITE)
+			elog(ERROR, "idem_claim must return idempotency.claim_result");
+		oldcxt = MemoryContextSwitchTo(fcinfo->flinfo->fn_mcxt);
+		fcinfo->flinfo->fn_extra = BlessTupleDesc(CreateTupleDescCopy(desc));
+		MemoryContextSwitchTo(oldcxt);
+	}
+	return (TupleDesc) fcinfo->flinfo->fn_extra;
+}
+
+/*
+ * Build the claim_result: the outcome, and for every outcome but "claimed"
+ * of a new key, what the stored row says.
+ */
+static Datum
+claim_result(FunctionCallInfo fcinfo, const char *outcome, const KeyRow *row)
+{
+	TupleDesc	desc = claim_result_desc(fcinfo);
+	Datum		values[RESULT_NATTS] = {0};
+	bool		nulls[RESULT_NATTS];
+
+	memset(nulls, true, sizeof(nulls));
+	values[RESULT_OUTCOME] = CStringGetTextDatum(outcome);
+	nulls[RESULT_OUTCOME] = false;
+
+	if (row != NULL)
+	{
+		static const struct
+		{
+			int			result_column;
+			int			key_column;
+		}			copied[] = {
+			{RESULT_STATUS_CODE, Anum_keys_status_code},
+			{RESULT_BODY, Anum_keys_body},
+			{RESULT_HEADERS, Anum_keys_headers},
+			{RESULT_ATTEMPT, Anum_keys_attempt},
+			{RESULT_RECOVERY_POINT, Anum_keys_recovery_point},
+			{RESULT_CREATED_AT, Anum_keys_created_at},
+		};
+
+		for (size_t i = 0; i < lengthof(copied); i++)
+		{
+			values[copied[i].result_column] = KEY_VALUE(row, copied[i].key_column);
+			nulls[copied[i].result_column] = KEY_ISNULL(row, copied[i].key_column);
+		}
+	}
+
+	/* HeapTupleGetDatum inlines any TOASTed body, as a composite must */
+	return HeapTupleGetDatum(heap_form_tuple(desc, values, nulls));
+}
+
+/*
+ * Make row a fresh in-progress claim: attempt 1 for a new or expired key,
+ * attempt + 1 (keeping recovery point, fingerprint and creation time) for a
+ * takeover.
+ */
+static void
+start_claim(KeyRow *row, bool takeover, text *fingerprint,
+			Interval *ttl, Interval *lease, TimestampTz now)
+{
+	TimestampTz lease_expires = idem_timestamp_plus(now, lease);
+
+	if (takeover)
+	{
+		KEY_SET(row, Anum_keys_attempt,
+				Int32GetDatum(DatumGetInt32(KEY_VALUE(row, Anum_keys_attempt)) + 1));
+		if (KEY_ISNULL(row, Anum_keys_fingerprint) && fingerprint != NULL)
+			KEY_SET(row, Anum_keys_fingerprint, PointerGetDatum(fingerprint));
+	}
+	else
+	{
+		KEY_SET(row, Anum_keys_attempt, Int32GetDatum(1));
+		KEY_SET_NULL(row, Anum_keys_recovery_point);
+		KEY_SET(row, Anum_keys_created_at, TimestampTzGetDatum(now));
+		if (fingerprint != NULL)
+			KEY_SET(row, Anum_keys_fingerprint, PointerGetDatum(fingerprint));
+		else
+			KEY_SET_NULL(row, Anum_keys_fingerprint);
+	}
+	KEY_SET(row, Anum_keys_lease_expires_at, TimestampTzGetDatum(lease_expires));
+	KEY_SET_NULL(row, Anum_keys_status_code);
+	KEY_SET_NULL(row, Anum_keys_body);
+	KEY_SET_NULL(row, Anum_keys_headers);
+	KEY_SET(row, Anum_keys_ttl, IntervalPGetDatum(ttl));
+	KEY_SET_NULL(row, Anum_keys_completed_at);
+	/* an abandoned claim is kept for a takeover until lease + ttl */
+	KEY_SET(row, Anum_keys_expires_at,
+			TimestampTzGetDatum(idem_timestamp_plus(lease_expires, ttl)));
+}
+
+/*
+ * Serialization check for REPEATABLE READ and SERIALIZABLE: refuse to
+ * overwrite a row version the transaction's snapshot does not see.
+ */
+static void
+check_serializable_write(IdemRelation *rel, const ProbeResult *found)
+{
+	if (IsolationUsesXactSnapshot() && !idem_row_visible_to_snapshot(rel, found))
+		ereport(ERROR,
+				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+				 errmsg("could not serialize access due to concurrent update"),
+				 errdetail("The idempotency key was changed by a transaction that committed after this transaction's snapshot was taken."),
+				 errhint("Retry the transaction.")));
+}
+
+/* What idem_claim does with a settled row; see the table at the top. */
+typedef enum ClaimDecision
+{
+	CLAIM_RESET,				/* expired: counts as absent, claim it afresh */
+	CLAIM_TAKE_OVER,			/* in progress, lease run out */
+	CLAIM_MISMATCH,
+	CLAIM_REPLAY,
+	CLAIM_IN_PROGRESS
+} ClaimDecision;
+
+static ClaimDecision
+decide_claim(const KeyRow *row, bool being_modified, text *fingerprint,
+			 TimestampTz now)
+{
+	if (key_row_expired(row, now))
+		return being_modified ? CLAIM_IN_PROGRESS : CLAIM_RESET;
+
+	/* a NULL fingerprint, stored or given, matches anything */
+	if (!KEY_ISNULL(row, Anum_keys_fingerprint) && fingerprint != NULL &&
+		!bytes_equal(DatumGetTextPP(KEY_VALUE(row, Anum_keys_fingerprint)), fingerprint))
+		return CLAIM_MISMATCH;
+
+	if (key_row_completed(row))
+		return CLAIM_REPLAY;
+
+	/* its owner is completing or releasing it, or another is taking it over */
+	if (being_modified)
+		return CLAIM_IN_PROGRESS;
+
+	if (DatumGetTimestampTz(KEY_VALUE(row, Anum_keys_lease_expires_at)) > now)
+		return CLAIM_IN_PROGRESS;
+
+	return CLAIM_TAKE_OVER;
+}
+
+/*
+ * idem_claim(scope, key, fingerprint, ttl, lease) -> claim_result
+ */
+Datum
+idem_claim(PG_FUNCTION_ARGS)
+{
+	text	   *scope = idem_arg_identifier(fcinfo, 0, "scope", 0);
+	text	   *key = idem_arg_identifier(fcinfo, 1, "key", 1);
+	text	   *fingerprint = idem_arg_text_or_null(fcinfo, 2);
+	Interval   *ttl = idem_arg_duration(fcinfo, 3, "ttl", (int64) idem_key_ttl_s * 1000);
+	Interval   *lease = idem_arg_duration(fcinfo, 4, "lease", idem_lease_ms);
+	Datum		pkey[2] = {PointerGetDatum(scope), PointerGetDatum(key)};
+	IdemRelation rel;
+	Datum		result;
+
+	idem_require_writable("idem_claim()");
+	idem_relation_open(&rel, IDEM_TABLE_KEYS, RowExclusiveLock);
+
+	for (;;)
+	{
+		ProbeResult found;
+		KeyRow		row;
+		TimestampTz now;
+		ClaimDecision decision;
+		TM_Result	tm;
+
+		CHECK_FOR_INTERRUPTS();
+		idem_probe(&rel, pkey, &found);
+		now = GetCurrentTimestamp();
+
+		if (found.outcome == PROBE_ABSENT)
+		{
+			memset(&row, 0, sizeof(row));
+			KEY_SET(&row, Anum_keys_scope, PointerGetDatum(scope));
+			KEY_SET(&row, Anum_keys_key, PointerGetDatum(key));
+			start_claim(&row, false, fingerprint, ttl, lease, now);
+			if (idem_insert_unique(&rel, row.values, row.nulls))
+			{
+				result = claim_result(fcinfo, "claimed", &row);
+				break;
+			}
+			continue;			/* lost a race: look again */
+		}
+
+		if (found.outcome == PROBE_INSERTING)
+		{
+			/*
+			 * An uncommitted claim by another transaction.  If it is still
+			 * in the middle of its speculative insertion, it will know in a
+			 * moment whether it won: wait for that (never for its
+			 * transaction) and look again.
+			 */
+			if (found.speculative_token != 0)
+			{
+				SpeculativeInsertionWait(found.inserting_xid, found.speculative_token);
+				continue;
+			}
+			result = claim_result(fcinfo, "in_progress", NULL);
+			break;
+		}
+
+		deform_key_row(&rel, &found, &row);
+		decision = decide_claim(&row, found.being_modified, fingerprint, now);
+		if (decision == CLAIM_MISMATCH)
+		{
+			result = claim_result(fcinfo, "mismatch", NULL);
+			break;
+		}
+		if (decision == CLAIM_REPLAY)
+		{
+			result = claim_result(fcinfo, "replay", &row);
+			break;
+		}
+		if (decision == CLAIM_IN_PROGRESS)
+		{
+			result = claim_result(fcinfo, "in_progress", &row);
+			break;
+		}
+
+		check_serializable_write(&rel, &found);
+		start_claim(&row, decision == CLAIM_TAKE_OVER, fingerprint, ttl, lease, now);
+		tm = idem_update(&rel, &found.tid, row.values, row.nulls, false);
+		if (tm == TM_Ok)
+		{
+			result = claim_result(fcinfo, "claimed", &row);
+			break;
+		}
+		if (tm == TM_BeingModified || tm == TM_WouldBlock)
+		{
+			/* someone else is taking it over, or holds a lock on it */
+			result = claim_result(fcinfo, "in_progress", NULL);
+			break;
+		}
+		if (tm != TM_Updated && tm != TM_Deleted)
+			elog(ERROR, "unexpected result %d updating an idempotency key", (int) tm);
+		/* it changed since the probe: look again */
+	}
+
+	idem_relation_close(&rel);
+	PG_RETURN_DATUM(result);
+}
+
+/*
+ * Find the in-progress claim that idem_complete, idem_release or
+ * idem_checkpoint acts on, or raise the error that says why there is none.
+ * With an attempt, the claim must be that attempt: a caller whose claim was
+ * taken over gets an error instead of overwriting the new owner's work.
+ */
+static void
+find_claim(IdemRelation *rel, text *scope, text *key,
+		   bool check_attempt, int32 attempt,
+		   ProbeResult *found, KeyRow *row)
+{
+	Datum		pkey[2] = {PointerGetDatum(scope), PointerGetDatum(key)};
+	int32		current_attempt;
+
+	idem_probe(rel, pkey, found);
+
+	if (found->outcome == PROBE_INSERTING)
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_KEY_NOT_CLAIMED),
+				 errmsg("idempotency key \"%s\" in scope \"%s\" is not claimed by this transaction",
+						text_for_message(key), text_for_message(scope)),
+				 errdetail("Another transaction's claim of the key has not committed yet.")));
+
+	if (found->outcome == PROBE_FOUND)
+		deform_key_row(rel, found, row);
+
+	if (found->outcome == PROBE_ABSENT ||
+		key_row_expired(row, GetCurrentTimestamp()))
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_KEY_NOT_CLAIMED),
+				 errmsg("idempotency key \"%s\" in scope \"%s\" is not claimed",
+						text_for_message(key), text_for_message(scope)),
+				 errhint("Call idem_claim first; a claim also ends when it is released or expires.")));
+
+	if (key_row_completed(row))
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_KEY_COMPLETED),
+				 errmsg("idempotency key \"%s\" in scope \"%s\" is already completed",
+						text_for_message(key), text_for_message(scope)),
+				 errdetail("Its response (status %d) is stored and is replayed to every retry.",
+						   DatumGetInt32(KEY_VALUE(row, Anum_keys_status_code)))));
+
+	current_attempt = DatumGetInt32(KEY_VALUE(row, Anum_keys_attempt));
+	if (check_attempt && attempt != current_attempt)
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_STALE_ATTEMPT),
+				 errmsg("attempt %d no longer holds idempotency key \"%s\" in scope \"%s\"",
+						attempt, text_for_message(key), text_for_message(scope)),
+				 errdetail("The key is now held by attempt %d.", current_attempt),
+				 errhint("The claim's lease ran out and another request took the key over; this attempt must stop.")));
+
+	check_serializable_write(rel, found);
+}
+
+/*
+ * Common driver of the three functions that change a claim: find it, apply
+ * change (which fills row for an update, or returns false to delete), and
+ * start over if the row changed under us while we waited for its lock.
+ */
+typedef bool (*ClaimChange) (KeyRow *row, void *arg);
+
+static void
+change_claim(const char *function_name, FunctionCallInfo fcinfo,
+			 int attempt_argno, ClaimChange change, void *arg)
+{
+	text	   *scope = idem_arg_identifier(fcinfo, 0, "scope", 0);
+	text	   *key = idem_arg_identifier(fcinfo, 1, "key", 1);
+	bool		check_attempt = !PG_ARGISNULL(attempt_argno);
+	int32		attempt = check_attempt ? PG_GETARG_INT32(attempt_argno) : 0;
+	IdemRelation rel;
+
+	idem_require_writable(function_name);
+	idem_relation_open(&rel, IDEM_TABLE_KEYS, RowExclusiveLock);
+
+	for (;;)
+	{
+		ProbeResult found;
+		KeyRow		row;
+		TM_Result	tm;
+
+		CHECK_FOR_INTERRUPTS();
+		find_claim(&rel, scope, key, check_attempt, attempt, &found, &row);
+		if (change(&row, arg))
+			tm = idem_update(&rel, &found.tid, row.values, row.nulls, true);
+		else
+			tm = idem_delete(&rel, &found.tid, true);
+
+		if (tm == TM_Ok)
+			break;
+		if (tm != TM_Updated && tm != TM_Deleted)
+			elog(ERROR, "unexpected result %d changing an idempotency key", (int) tm);
+		/* changed by a transaction we waited for: find_claim decides anew */
+	}
+
+	idem_relation_close(&rel);
+}
+
+typedef struct Completion
+{
+	int32		status_code;
+	text	   *body;
+	Jsonb	   *headers;
+	bool		released;
+} Completion;
+
+static bool
+complete_row(KeyRow *row, void *arg)
+{
+	Completion *completion = (Completion *) arg;
+	TimestampTz now;
+
+	if (completion->released)
+		return false;
+
+	now = GetCurrentTimestamp();
+	KEY_SET(row, Anum_keys_status_code, Int32GetDatum(completion->status_code));
+	if (completion->body != NULL)
+		KEY_SET(row, Anum_keys_body, PointerGetDatum(completion->body));
+	else
+		KEY_SET_NULL(row, Anum_keys_body);
+	if (completion->headers != NULL)
+		KEY_SET(row, Anum_keys_headers, JsonbPGetDatum(completion->headers));
+	else
+		KEY_SET_NULL(row, Anum_keys_headers);
+	KEY_SET_NULL(row, Anum_keys_lease_expires_at);
+	KEY_SET(row, Anum_keys_completed_at, TimestampTzGetDatum(now));
+	KEY_SET(row, Anum_keys_expires_at,
+			TimestampTzGetDatum(idem_timestamp_plus(now,
+													DatumGetIntervalP(KEY_VALUE(row, Anum_keys_ttl)))));
+	return true;
+}
+
+/*
+ * idem_complete(scope, key, status_code, body, headers, attempt) -> text
+ *
+ * Final answers (those not in idempotency.release_statuses) are stored and
+ * replayed from now on; transient ones release the key.
+ */
+Datum
+idem_complete(PG_FUNCTION_ARGS)
+{
+	Completion	completion;
+
+	if (PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("status_code must not be null")));
+	completion.status_code = PG_GETARG_INT32(2);
+	if (completion.status_code < 100 || completion.status_code > 599)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("status_code %d is not an HTTP status code",
+						completion.status_code),
+				 errdetail("HTTP status codes are between 100 and 599.")));
+	completion.body = idem_arg_text_or_null(fcinfo, 3);
+	completion.headers = PG_ARGISNULL(4) ? NULL : PG_GETARG_JSONB_P(4);
+	completion.released = idem_status_is_released(completion.status_code);
+
+	change_claim("idem_complete()", fcinfo, 5, complete_row, &completion);
+
+	PG_RETURN_TEXT_P(cstring_to_text(completion.released ? "released" : "stored"));
+}
+
+static bool
+release_row(KeyRow *row, void *arg)
+{
+	return false;
+}
+
+/*
+ * idem_release(scope, key, attempt) -> boolean
+ *
+ * Drops an in-progress claim; true once it is gone.  A key that is not
+ * claimed, or already completed, is an error (see find_claim).
+ */
+Datum
+idem_release(PG_FUNCTION_ARGS)
+{
+	change_claim("idem_release()", fcinfo, 2, release_row, NULL);
+	PG_RETURN_BOOL(true);
+}
+
+static bool
+checkpoint_row(KeyRow *row, void *arg)
+{
+	text	   *recovery_point = (text *) arg;
+
+	if (recovery_point != NULL)
+		KEY_SET(row, Anum_keys_recovery_point, PointerGetDatum(recovery_point));
+	else
+		KEY_SET_NULL(row, Anum_keys_recovery_point);
+	return true;
+}
+
+/*
+ * idem_checkpoint(scope, key, recovery_point, attempt) -> void
+ */
+Datum
+idem_checkpoint(PG_FUNCTION_ARGS)
+{
+	change_claim("idem_checkpoint()", fcinfo, 3, checkpoint_row,
+				 idem_arg_text_or_null(fcinfo, 2));
+	PG_RETURN_VOID();
+}

@@ -1,0 +1,436 @@
+/*-------------------------------------------------------------------------
+ *
+ * tables.c
+ *	  Finding and writing rows of the extension's tables without the
+ *	  executor.
+ *
+ * The hot paths (idem_claim and friends) need two things SQL cannot give
+ * them: to see a row that another transaction is inserting right now without
+ * waiting for that transaction to end, and to give up a write instead of
+ * waiting for a concurrent one.  INSERT ... ON CONFLICT and UPDATE both wait.
+ * So the rows are found with an index probe under a dirty snapshot, which
+ * reports in-flight inserters and modifiers instead of blocking on them, and
+ * written with the table AM directly: a new row by speculative insertion (the
+ * mechanism behind ON CONFLICT, used here without its waits), an existing one
+ * by table_tuple_update/delete with wait = false where the caller must not
+ * block.
+ *
+ * Skipping the executor also skips the planner, SPI and per-call catalog
+ * lookups: a lookup is one index probe.  What the executor would otherwise
+ * do for us is done here: index entries for new row versions, and a
+ * CommandCounterIncrement after each write so that the next call in the same
+ * statement sees it.  Triggers on these tables do not fire; the tables
+ * belong to the extension.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/heapam.h"
+#include "access/relation.h"
+#include "access/table.h"
+#include "access/xact.h"
+#include "catalog/index.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_type.h"
+#include "executor/tuptable.h"
+#include "storage/lmgr.h"
+#include "utils/fmgroids.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+#include "utils/rel.h"
+#include "utils/snapmgr.h"
+
+#include "compat.h"
+#include "tables.h"
+
+#define IDEM_SCHEMA "idempotency"
+
+typedef struct ExpectedColumn
+{
+	const char *name;
+	Oid			type;
+} ExpectedColumn;
+
+/*
+ * What the C code expects of each table.  The primary key is the first
+ * npkey columns, compared with pkey_eq.  If someone alters a table, the
+ * shape check refuses to read or write it rather than misread its rows.
+ */
+typedef struct ExpectedTable
+{
+	const char *name;
+	int			ncolumns;
+	const ExpectedColumn *columns;
+	int			npkey;
+	const Oid  *pkey_eq;
+} ExpectedTable;
+
+static const ExpectedColumn keys_columns[Natts_keys] = {
+	{"scope", TEXTOID},
+	{"key", TEXTOID},
+	{"fingerprint", TEXTOID},
+	{"attempt", INT4OID},
+	{"recovery_point", TEXTOID},
+	{"lease_expires_at", TIMESTAMPTZOID},
+	{"status_code", INT4OID},
+	{"body", TEXTOID},
+	{"headers", JSONBOID},
+	{"ttl", INTERVALOID},
+	{"created_at", TIMESTAMPTZOID},
+	{"completed_at", TIMESTAMPTZOID},
+	{"expires_at", TIMESTAMPTZOID},
+};
+
+static const Oid keys_pkey_eq[] = {F_TEXTEQ, F_TEXTEQ};
+
+static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
+	[IDEM_TABLE_KEYS] = {"keys", Natts_keys, keys_columns, 2, keys_pkey_eq},
+};
+
+/*
+ * The OIDs of our tables and their primary keys, looked up once per backend
+ * and forgotten when the relcache says the table changed (ALTER, DROP
+ * EXTENSION, or a cache reset).
+ */
+typedef struct TableOids
+{
+	Oid			relid;
+	Oid			pkeyid;
+} TableOids;
+
+static TableOids table_oids[IDEM_NUM_TABLES];
+static bool invalidation_registered = false;
+
+static void
+forget_table_oids(Datum arg, Oid relid)
+{
+	for (int i = 0; i < IDEM_NUM_TABLES; i++)
+	{
+		if (relid == InvalidOid || relid == table_oids[i].relid ||
+			relid == table_oids[i].pkeyid)
+			table_oids[i].relid = table_oids[i].pkeyid = InvalidOid;
+	}
+}
+
+/* Refuse a table whose columns are not the ones the C code was built for. */
+static void
+check_table_shape(Relation heap, const ExpectedTable *def)
+{
+	TupleDesc	desc = RelationGetDescr(heap);
+	bool		ok = desc->natts == def->ncolumns;
+
+	for (int i = 0; ok && i < def->ncolumns; i++)
+	{
+		Form_pg_attribute attr = TupleDescAttr(desc, i);
+
+		ok = !attr->attisdropped &&
+			attr->atttypid == def->columns[i].type &&
+			strcmp(NameStr(attr->attname), def->columns[i].name) == 0;
+	}
+	if (!ok)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("table \"%s.%s\" does not have the columns this version of idempotency expects",
+						IDEM_SCHEMA, def->name),
+				 errhint("Do not alter the extension's tables; reinstall the extension with DROP EXTENSION and CREATE EXTENSION.")));
+}
+
+static const TableOids *
+lookup_table_oids(IdemTable table)
+{
+	TableOids  *oids = &table_oids[table];
+	const ExpectedTable *def = &table_defs[table];
+	Oid			nspid;
+	Relation	heap;
+
+	if (OidIsValid(oids->relid))
+		return oids;
+
+	if (!invalidation_registered)
+	{
+		CacheRegisterRelcacheCallback(forget_table_oids, (Datum) 0);
+		invalidation_registered = true;
+	}
+
+	nspid = get_namespace_oid(IDEM_SCHEMA, true);
+	oids->relid = OidIsValid(nspid) ? get_relname_relid(def->name, nspid) : InvalidOid;
+	if (!OidIsValid(oids->relid))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_TABLE),
+				 errmsg("table \"%s.%s\" does not exist", IDEM_SCHEMA, def->name),
+				 errhint("Run CREATE EXTENSION idempotency in this database.")));
+
+	heap = table_open(oids->relid, AccessShareLock);
+	check_table_shape(heap, def);
+	list_free(RelationGetIndexList(heap));	/* fills in rd_pkindex */
+	oids->pkeyid = heap->rd_pkindex;
+	table_close(heap, AccessShareLock);
+
+	if (!OidIsValid(oids->pkeyid))
+	{
+		oids->relid = InvalidOid;
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("table \"%s.%s\" has no primary key", IDEM_SCHEMA, def->name),
+				 errhint("Reinstall the extension with DROP EXTENSION and CREATE EXTENSION.")));
+	}
+	return oids;
+}
+
+void
+idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode)
+{
+	const TableOids *oids = lookup_table_oids(table);
+
+	memset(rel, 0, sizeof(IdemRelation));
+	rel->table = table;
+	rel->lockmode = lockmode;
+	rel->heap = table_open(oids->relid, lockmode);
+	rel->pkey = index_open(oids->pkeyid, lockmode);
+}
+
+/*
+ * Open every index of the table, for the writes that must add index entries.
+ * Only plain column indexes can be maintained without an executor state; an
+ * index on an expression or with a predicate is refused by name.
+ */
+static void
+open_all_indexes(IdemRelation *rel)
+{
+	List	   *index_oids;
+	ListCell   *lc;
+	int			i = 0;
+
+	if (rel->indexes != NULL)
+		return;
+
+	index_oids = RelationGetIndexList(rel->heap);
+	rel->indexes = palloc(sizeof(Relation) * Max(list_length(index_oids), 1));
+	rel->index_info = palloc(sizeof(IndexInfo *) * Max(list_length(index_oids), 1));
+	foreach(lc, index_oids)
+	{
+		Relation	index = index_open(lfirst_oid(lc), rel->lockmode);
+		IndexInfo  *info = BuildIndexInfo(index);
+
+		rel->indexes[i] = index;
+		rel->index_info[i] = info;
+		rel->nindexes = ++i;
+
+		if (info->ii_Expressions != NIL || info->ii_Predicate != NIL ||
+			info->ii_ExclusionOps != NULL)
+			ereport(ERROR,
+					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+					 errmsg("index \"%s\" on table \"%s.%s\" is not supported",
+							RelationGetRelationName(index), IDEM_SCHEMA,
+							table_defs[rel->table].name),
+					 errdetail("The extension maintains its tables' indexes itself and handles only plain column indexes without a WHERE clause or exclusion constraint."),
+					 errhint("Drop the index.")));
+	}
+	list_free(index_oids);
+}
+
+void
+idem_relation_close(IdemRelation *rel)
+{
+	for (int i = 0; i < rel->nindexes; i++)
+		index_close(rel->indexes[i], rel->lockmode);
+	index_close(rel->pkey, rel->lockmode);
+	table_close(rel->heap, rel->lockmode);
+}
+
+/*
+ * Look a primary key up under a dirty snapshot.  The dirty snapshot sees
+ * committed rows, this transaction's rows, and rows that other transactions
+ * are inserting or modifying right now, and says which (xmin / xmax) instead
+ * of waiting.  A non-MVCC index scan returns every such version of the row:
+ * at most one is settled (committed or ours); others are in flight.
+ */
+void
+idem_probe(IdemRelation *rel, const Datum *pkey_values, ProbeResult *result)
+{
+	const ExpectedTable *def = &table_defs[rel->table];
+	SnapshotData dirty;
+	ScanKeyData scankeys[INDEX_MAX_KEYS];
+	IndexScanDesc scan;
+	TupleTableSlot *slot;
+
+	memset(result, 0, sizeof(ProbeResult));
+	result->outcome = PROBE_ABSENT;
+
+	for (int i = 0; i < def->npkey; i++)
+		ScanKeyEntryInitialize(&scankeys[i], 0, i + 1, BTEqualStrategyNumber,
+							   InvalidOid, rel->pkey->rd_indcollation[i],
+							   def->pkey_eq[i], pkey_values[i]);
+
+	InitDirtySnapshot(dirty);
+	slot = table_slot_create(rel->heap, NULL);
+	scan = index_beginscan(rel->heap, rel->pkey, &dirty, def->npkey, 0);
+	index_rescan(scan, scankeys, def->npkey, NULL, 0);
+
+	while (index_getnext_slot(scan, ForwardScanDirection, slot))
+	{
+		if (TransactionIdIsValid(dirty.xmin))
+		{
+			/* another transaction is inserting this version */
+			result->outcome = PROBE_INSERTING;
+			result->inserting_xid = dirty.xmin;
+			result->speculative_token = dirty.speculativeToken;
+			continue;
+		}
+		result->outcome = PROBE_FOUND;
+		result->tuple = ExecCopySlotHeapTuple(slot);
+		result->tid = slot->tts_tid;
+		result->being_modified = TransactionIdIsValid(dirty.xmax);
+		break;
+	}
+
+	index_endscan(scan);
+	ExecDropSingleTupleTableSlot(slot);
+}
+
+/*
+ * Under REPEATABLE READ and SERIALIZABLE, a row may be written only if the
+ * transaction's snapshot sees it: this tells whether it does.
+ */
+bool
+idem_row_visible_to_snapshot(IdemRelation *rel, const ProbeResult *found)
+{
+	TupleTableSlot *slot = table_slot_create(rel->heap, NULL);
+	bool		visible;
+
+	Assert(found->outcome == PROBE_FOUND);
+	visible = table_tuple_fetch_row_version(rel->heap, (ItemPointer) &found->tid,
+											GetTransactionSnapshot(), slot);
+	ExecDropSingleTupleTableSlot(slot);
+	return visible;
+}
+
+static TupleTableSlot *
+make_slot(IdemRelation *rel, Datum *values, bool *nulls)
+{
+	TupleTableSlot *slot = MakeSingleTupleTableSlot(RelationGetDescr(rel->heap),
+													&TTSOpsVirtual);
+
+	memcpy(slot->tts_values, values, sizeof(Datum) * slot->tts_tupleDescriptor->natts);
+	memcpy(slot->tts_isnull, nulls, sizeof(bool) * slot->tts_tupleDescriptor->natts);
+	ExecStoreVirtualTuple(slot);
+	return slot;
+}
+
+/*
+ * Add index entries for the row version in slot.  The primary key is checked
+ * as the caller says; other unique indexes are checked in full.  Returns
+ * false when the primary key check found a possible conflict.
+ */
+static bool
+insert_index_entries(IdemRelation *rel, TupleTableSlot *slot,
+					 IndexUniqueCheck pkey_check, bool is_update,
+					 CompatUpdateIndexes update_indexes)
+{
+	bool		pkey_ok = true;
+
+	open_all_indexes(rel);
+	for (int i = 0; i < rel->nindexes; i++)
+	{
+		Relation	index = rel->indexes[i];
+		bool		is_pkey = RelationGetRelid(index) == RelationGetRelid(rel->pkey);
+		Datum		values[INDEX_MAX_KEYS];
+		bool		isnull[INDEX_MAX_KEYS];
+		IndexUniqueCheck check;
+		bool		ok;
+
+		if (is_update && !COMPAT_UPDATE_NEEDS_INDEX(update_indexes, index))
+			continue;
+
+		if (is_pkey)
+			check = pkey_check;
+		else if (index->rd_index->indisunique)
+			check = UNIQUE_CHECK_YES;
+		else
+			check = UNIQUE_CHECK_NO;
+
+		FormIndexDatum(rel->index_info[i], slot, NULL, values, isnull);
+		ok = compat_index_insert(index, values, isnull, &slot->tts_tid, rel->heap,
+								 check, is_update && is_pkey, rel->index_info[i]);
+		if (is_pkey)
+			pkey_ok = ok;
+	}
+	return pkey_ok;
+}
+
+/*
+ * Insert a row unless its primary key is taken, without ever waiting.
+ *
+ * This is speculative insertion, as INSERT ... ON CONFLICT does it: insert
+ * the heap tuple marked speculative, insert the index entries with only a
+ * partial uniqueness check (which reports a possible duplicate instead of
+ * waiting for its transaction), then either confirm the tuple or kill it.
+ * A killed speculative tuple is dead to everyone at once, so a lost race
+ * leaves nothing behind that others would wait for.  Returns true if the row
+ * was inserted; false if another row (committed or in flight) has the key,
+ * in which case nothing was written and the caller probes again.
+ */
+bool
+idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls)
+{
+	TupleTableSlot *slot = make_slot(rel, values, nulls);
+	TransactionId xid = GetCurrentTransactionId();
+	uint32		token;
+	bool		inserted;
+
+	token = SpeculativeInsertionLockAcquire(xid);
+	table_tuple_insert_speculative(rel->heap, slot, GetCurrentCommandId(true),
+								   0, NULL, token);
+	inserted = insert_index_entries(rel, slot, UNIQUE_CHECK_PARTIAL, false, false);
+	table_tuple_complete_speculative(rel->heap, slot, token, inserted);
+	SpeculativeInsertionLockRelease(xid);
+
+	ExecDropSingleTupleTableSlot(slot);
+	CommandCounterIncrement();
+	return inserted;
+}
+
+/*
+ * Replace the row at tid.  With wait = false, a row that another transaction
+ * is modifying or has locked is left alone (TM_BeingModified).  TM_Updated
+ * and TM_Deleted mean it changed since the probe: probe again.
+ */
+TM_Result
+idem_update(IdemRelation *rel, ItemPointer tid, Datum *values, bool *nulls,
+			bool wait)
+{
+	TupleTableSlot *slot = make_slot(rel, values, nulls);
+	TM_FailureData tmfd;
+	LockTupleMode lockmode;
+	CompatUpdateIndexes update_indexes;
+	TM_Result	result;
+
+	result = table_tuple_update(rel->heap, tid, slot, GetCurrentCommandId(true),
+								InvalidSnapshot, InvalidSnapshot, wait,
+								&tmfd, &lockmode, &update_indexes);
+	if (result == TM_Ok)
+	{
+		/* a HOT update (the usual case) needs no index entries */
+		if (COMPAT_UPDATE_NEEDS_ANY_INDEX(update_indexes))
+			insert_index_entries(rel, slot, UNIQUE_CHECK_YES, true, update_indexes);
+		CommandCounterIncrement();
+	}
+	ExecDropSingleTupleTableSlot(slot);
+	return result;
+}
+
+/* Delete the row at tid; results as for idem_update. */
+TM_Result
+idem_delete(IdemRelation *rel, ItemPointer tid, bool wait)
+{
+	TM_FailureData tmfd;
+	TM_Result	result;
+
+	result = table_tuple_delete(rel->heap, tid, GetCurrentCommandId(true),
+								InvalidSnapshot, InvalidSnapshot, wait,
+								&tmfd, false);
+	if (result == TM_Ok)
+		CommandCounterIncrement();
+	return result;
+}

@@ -1,0 +1,96 @@
+/*-------------------------------------------------------------------------
+ *
+ * tables.h
+ *	  Finding and writing rows of the extension's tables without the
+ *	  executor: one index probe per lookup, no planner, no SPI.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEMPOTENCY_TABLES_H
+#define IDEMPOTENCY_TABLES_H
+
+#include "access/htup.h"
+#include "access/tableam.h"
+#include "nodes/execnodes.h"
+#include "storage/lockdefs.h"
+#include "utils/relcache.h"
+
+/* The tables the C code reads and writes directly. */
+typedef enum IdemTable
+{
+	IDEM_TABLE_KEYS,
+	IDEM_NUM_TABLES
+} IdemTable;
+
+/* Column numbers of idempotency.keys, in the order the script creates them. */
+typedef enum KeysColumn
+{
+	Anum_keys_scope = 1,
+	Anum_keys_key,
+	Anum_keys_fingerprint,
+	Anum_keys_attempt,
+	Anum_keys_recovery_point,
+	Anum_keys_lease_expires_at,
+	Anum_keys_status_code,
+	Anum_keys_body,
+	Anum_keys_headers,
+	Anum_keys_ttl,
+	Anum_keys_created_at,
+	Anum_keys_completed_at,
+	Anum_keys_expires_at,
+	Natts_keys = Anum_keys_expires_at
+} KeysColumn;
+
+/* An open table with its primary key (and, once needed, all its indexes). */
+typedef struct IdemRelation
+{
+	IdemTable	table;
+	Relation	heap;
+	Relation	pkey;
+	LOCKMODE	lockmode;
+	/* opened by the first write */
+	int			nindexes;
+	Relation   *indexes;
+	IndexInfo **index_info;
+} IdemRelation;
+
+/*
+ * What a probe of the primary key found, under a dirty snapshot: rows
+ * committed or written by this transaction ("settled"), and rows that another
+ * transaction is inserting right now.
+ */
+typedef enum ProbeOutcome
+{
+	PROBE_ABSENT,				/* no live row and no insertion in flight */
+	PROBE_INSERTING,			/* only a row another transaction is inserting */
+	PROBE_FOUND					/* a settled row: see tuple */
+} ProbeOutcome;
+
+typedef struct ProbeResult
+{
+	ProbeOutcome outcome;
+	/* PROBE_FOUND: a copy of the row, and where it is */
+	HeapTuple	tuple;
+	ItemPointerData tid;
+	/* PROBE_FOUND: another transaction is updating, deleting or locking it */
+	bool		being_modified;
+	/* PROBE_INSERTING: the inserter, and its speculative token if any */
+	TransactionId inserting_xid;
+	uint32		speculative_token;
+} ProbeResult;
+
+extern void idem_relation_open(IdemRelation *rel, IdemTable table,
+							   LOCKMODE lockmode);
+extern void idem_relation_close(IdemRelation *rel);
+
+extern void idem_probe(IdemRelation *rel, const Datum *pkey_values,
+					   ProbeResult *result);
+extern bool idem_row_visible_to_snapshot(IdemRelation *rel,
+										 const ProbeResult *found);
+
+extern bool idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls);
+extern TM_Result idem_update(IdemRelation *rel, ItemPointer tid,
+							 Datum *values, bool *nulls, bool wait);
+extern TM_Result idem_delete(IdemRelation *rel, ItemPointer tid, bool wait);
+
+#endif							/* IDEMPOTENCY_TABLES_H */
