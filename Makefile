@@ -26,7 +26,7 @@ PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter
 TEST_CONF = $(CURDIR)/test/idempotency.conf
 
 # pg_regress: one file per topic under sql/, expected output under expected/
-REGRESS = keys_claim keys_complete keys_lease keys_fingerprint keys_input \
+REGRESS = setup keys_claim keys_complete keys_lease keys_fingerprint keys_input \
 	keys_release_policy keys_security
 REGRESS_OPTS = --temp-config=$(TEST_CONF) --temp-instance=$(CURDIR)/tmp_check
 

@@ -409,10 +409,11 @@ find_claim(IdemRelation *rel, text *scope, text *key,
 	if (check_attempt && attempt != current_attempt)
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_STALE_ATTEMPT),
-				 errmsg("attempt %d no longer holds idempotency key \"%s\" in scope \"%s\"",
-						attempt, text_for_message(key), text_for_message(scope)),
-				 errdetail("The key is now held by attempt %d.", current_attempt),
-				 errhint("The claim's lease ran out and another request took the key over; this attempt must stop.")));
+				 errmsg("idempotency key \"%s\" in scope \"%s\" is held by attempt %d, not %d",
+						text_for_message(key), text_for_message(scope),
+						current_attempt, attempt),
+				 attempt < current_attempt ?
+				 errhint("The claim's lease ran out and a retry took the key over; this attempt must stop without side effects.") : 0));
 
 	check_serializable_write(rel, found);
 }

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+#
+# Install what building, testing and the demo need, when it is missing.
+# As root, missing Debian packages are installed with apt-get; otherwise the
+# script says what to install and fails.
+#
+set -euo pipefail
+
+PG_MAJOR=${PG_MAJOR:-15}
+pgbin=/usr/lib/postgresql/$PG_MAJOR/bin
+missing=()
+
+command -v gcc >/dev/null || missing+=(gcc)
+command -v make >/dev/null || missing+=(make)
+[ -x "$pgbin/postgres" ] || missing+=("postgresql-$PG_MAJOR")
+[ -x "$pgbin/psql" ] && [ -x "$pgbin/pgbench" ] || missing+=("postgresql-client-$PG_MAJOR")
+[ -f "/usr/lib/postgresql/$PG_MAJOR/lib/pgxs/src/makefiles/pgxs.mk" ] ||
+	missing+=("postgresql-server-dev-$PG_MAJOR")
+command -v prove >/dev/null || missing+=(perl)
+perl -MIPC::Run -e 1 2>/dev/null || missing+=(libipc-run-perl)
+
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+if [ "$(id -u)" -ne 0 ]; then
+	echo "missing packages: ${missing[*]}" >&2
+	echo "install them as root: apt-get install ${missing[*]}" >&2
+	exit 1
+fi
+
+echo "installing: ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+#
+# make test: install what is missing, build with warnings as errors, install,
+# then run every suite against temporary instances that preload the library:
+#
+#   regress     pg_regress, sql/ against expected/
+#   isolation   pg_isolation_regress, specs/ against expected/
+#   tap         prove, t/*.pl with PostgreSQL::Test::Cluster
+#
+# Every suite runs even when an earlier one fails; the summary at the end
+# lists each, and the exit status is non-zero if any failed.  SUITES picks a
+# subset, e.g. SUITES="regress isolation" make test; KEEP_WORKDIR=1 keeps
+# the tree the suites ran in, with their results, for a look afterwards.
+#
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/deps.sh || exit 1
+. scripts/common.sh
+
+echo "== build and install (PostgreSQL $("$PG_CONFIG" --version | awk '{print $2}'))"
+build_and_install || exit 1
+
+# The suites write results and temporary instances next to the tests, so
+# they run in a copy of the tree that the runner owns.
+work=$(runner_tmpdir test)
+if [ -n "${KEEP_WORKDIR:-}" ]; then
+	echo "(keeping the test tree: $work)"
+else
+	trap 'rm -rf "$work"' EXIT
+fi
+tar --exclude=./.git --exclude='./tmp_check*' --exclude=./results --exclude=./output_iso \
+	-cf - . | tar -C "$work" -xf -
+[ "$(id -u)" -eq 0 ] && chown -R "$RUN_AS" "$work"
+
+summary=()
+status=0
+for suite in ${SUITES:-regress isolation tap}; do
+	echo
+	echo "== $suite"
+	if as_runner make -C "$work" --no-print-directory PG_CONFIG="$PG_CONFIG" "check-$suite"; then
+		summary+=("$suite: passed")
+	else
+		status=1
+		summary+=("$suite: FAILED")
+		for diffs in "$work/regression.diffs" "$work/output_iso/regression.diffs"; do
+			[ -s "$diffs" ] && { echo "-- $diffs"; cat "$diffs"; }
+		done
+		if [ "$suite" = tap ] && [ -d "$work/tmp_check/log" ]; then
+			for log in "$work"/tmp_check/log/regress_log_*; do
+				echo "-- $log (last 60 lines)"
+				tail -n 60 "$log"
+			done
+		fi
+	fi
+done
+
+echo
+echo "== summary"
+printf '%s\n' "${summary[@]}"
+exit $status

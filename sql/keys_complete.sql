@@ -1,0 +1,78 @@
+--
+-- keys_complete: idem_complete, idem_release and idem_checkpoint act only on
+-- a claim in progress; anything else is an error that changes nothing.
+--
+SET search_path = idempotency, public;
+
+-- Completing a key that was never claimed: 22I01, nothing written.
+SELECT idem_complete('c', 'never-claimed', 200, 'ok');
+\echo :SQLSTATE
+SELECT idem_release('c', 'never-claimed');
+\echo :SQLSTATE
+SELECT idem_checkpoint('c', 'never-claimed', 'step 1');
+\echo :SQLSTATE
+SELECT count(*) AS rows_written FROM keys WHERE scope = 'c';
+
+-- Completing a key that is already completed: 22I02, the stored response
+-- is untouched.
+SELECT outcome FROM idem_claim('c', 'done');
+SELECT idem_complete('c', 'done', 201, 'first');
+SELECT idem_complete('c', 'done', 200, 'second');
+\echo :SQLSTATE
+SELECT idem_release('c', 'done');
+\echo :SQLSTATE
+SELECT idem_checkpoint('c', 'done', 'late');
+\echo :SQLSTATE
+SELECT outcome, status_code, body, recovery_point FROM idem_claim('c', 'done');
+
+-- A released key is no longer claimed.
+SELECT outcome FROM idem_claim('c', 'released');
+SELECT idem_release('c', 'released');
+SELECT idem_complete('c', 'released', 200);
+\echo :SQLSTATE
+SELECT outcome, attempt FROM idem_claim('c', 'released');
+
+-- Checkpoints record how far the operation got; NULL clears the mark.
+SELECT idem_checkpoint('c', 'released', 'charged card');
+SELECT recovery_point FROM keys WHERE scope = 'c' AND key = 'released';
+SELECT idem_checkpoint('c', 'released', NULL);
+SELECT recovery_point FROM keys WHERE scope = 'c' AND key = 'released';
+
+-- The attempt is a fencing token: a wrong one is refused (22I03) and
+-- nothing changes.
+SELECT idem_checkpoint('c', 'released', 'step', 7);
+\echo :SQLSTATE
+SELECT idem_complete('c', 'released', 200, 'x', NULL, 2);
+\echo :SQLSTATE
+SELECT idem_release('c', 'released', 0);
+\echo :SQLSTATE
+SELECT attempt, status_code, recovery_point FROM keys WHERE scope = 'c' AND key = 'released';
+-- the right one is accepted
+SELECT idem_complete('c', 'released', 200, 'x', NULL, 1);
+
+-- NULL status is refused (22004); so is anything outside 100..599 (22023).
+SELECT outcome FROM idem_claim('c', 'status');
+SELECT idem_complete('c', 'status', NULL);
+\echo :SQLSTATE
+SELECT idem_complete('c', 'status', 99);
+\echo :SQLSTATE
+SELECT idem_complete('c', 'status', 600);
+\echo :SQLSTATE
+SELECT idem_complete('c', 'status', -200);
+\echo :SQLSTATE
+SELECT status_code IS NULL AS still_in_progress FROM keys WHERE scope = 'c' AND key = 'status';
+SELECT idem_complete('c', 'status', 100, 'continue');
+SELECT idem_complete('c', 'status', 599);
+\echo :SQLSTATE
+
+-- A 10 MB body round-trips byte for byte (it is TOASTed on the way).
+SELECT outcome FROM idem_claim('c', 'big');
+SELECT idem_complete('c', 'big', 200, repeat('0123456789abcdef', 655360));
+SELECT outcome, length(body) AS body_bytes, md5(body) = md5(repeat('0123456789abcdef', 655360)) AS same_body
+FROM idem_claim('c', 'big');
+
+-- Headers are any jsonb; NULL body and headers are stored as NULL.
+SELECT outcome FROM idem_claim('c', 'no-body');
+SELECT idem_complete('c', 'no-body', 204);
+SELECT outcome, status_code, body IS NULL AS no_body, headers IS NULL AS no_headers
+FROM idem_claim('c', 'no-body');
