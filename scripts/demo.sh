@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+#
+# make demo: a tour of the extension on a throwaway cluster.
+#
+# Starts a temporary PostgreSQL (unix socket only, a port of its own, in a
+# temporary directory) with the library preloaded, creates the extension,
+# and shows each behaviour with the SQL an application would send.  The
+# cluster is stopped and removed at the end, whatever happens.
+#
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/deps.sh
+. scripts/common.sh
+
+echo "== building and installing the extension"
+build_and_install
+
+dir=$(runner_tmpdir demo)
+cleanup() {
+	as_runner "$PGBIN/pg_ctl" -D "$dir/data" -m immediate stop >/dev/null 2>&1 || true
+	rm -rf "$dir"
+}
+trap cleanup EXIT
+
+# a port nobody listens on
+port=$((20000 + RANDOM % 20000))
+while [ -e "$dir/.s.PGSQL.$port" ] || (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
+	port=$((port + 1))
+done
+
+echo "== starting a throwaway cluster in $dir (port $port, unix socket only)"
+as_runner "$PGBIN/initdb" -D "$dir/data" -A trust -U postgres --no-sync >/dev/null
+cat >>"$dir/data/postgresql.conf" <<EOF
+shared_preload_libraries = 'idempotency'
+listen_addresses = ''
+unix_socket_directories = '$dir'
+port = $port
+EOF
+as_runner "$PGBIN/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w start >/dev/null
+
+psql_demo() {
+	as_runner "$PGBIN/psql" -X -q -h "$dir" -p "$port" -U postgres -d postgres \
+		-v ON_ERROR_STOP=1 -P pager=off -e "$@"
+}
+
+section() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+section "install"
+psql_demo <<'SQL'
+CREATE EXTENSION idempotency;
+SQL
+
+section "claim -> complete -> replay (one transaction: claim, business write, complete, commit)"
+psql_demo <<'SQL'
+CREATE TABLE payments (id serial PRIMARY KEY, amount int);
+BEGIN;
+SELECT outcome, attempt FROM idempotency.idem_claim('alice:POST /payments', 'key-1',
+       idempotency.idem_fingerprint('{"amount": 10}'::jsonb));
+INSERT INTO payments (amount) VALUES (10);
+SELECT idempotency.idem_complete('alice:POST /payments', 'key-1', 201,
+       '{"id": 1, "amount": 10}', '{"Location": "/payments/1"}');
+COMMIT;
+\echo '-- the client retries: the stored response comes back, byte for byte (HTTP: + Idempotent-Replayed: true)'
+SELECT outcome, status_code, body, headers FROM idempotency.idem_claim('alice:POST /payments', 'key-1',
+       idempotency.idem_fingerprint('{"amount":10}'::jsonb));
+SELECT count(*) AS payments FROM payments;
+SQL
+
+section "a concurrent duplicate gets in_progress at once (HTTP 409), then replay"
+# a first request holds its transaction open for two seconds
+as_runner "$PGBIN/psql" -X -q -h "$dir" -p "$port" -U postgres -d postgres -c "
+	BEGIN;
+	SELECT idempotency.idem_claim('alice:POST /payments', 'key-2');
+	SELECT pg_sleep(2);
+	SELECT idempotency.idem_complete('alice:POST /payments', 'key-2', 201, '{\"id\": 2}');
+	COMMIT;" >/dev/null &
+first=$!
+until as_runner "$PGBIN/psql" -X -Atq -h "$dir" -p "$port" -U postgres -d postgres \
+	-c "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep'" | grep -q 1; do
+	sleep 0.1
+done
+psql_demo <<'SQL'
+\echo '-- while the first request is still running:'
+SELECT outcome FROM idempotency.idem_claim('alice:POST /payments', 'key-2');
+SQL
+wait $first
+psql_demo <<'SQL'
+\echo '-- after it committed:'
+SELECT outcome, status_code, body FROM idempotency.idem_claim('alice:POST /payments', 'key-2');
+SQL
+
+section "the same key with another request body is a mismatch (HTTP 422)"
+psql_demo <<'SQL'
+SELECT outcome FROM idempotency.idem_claim('alice:POST /payments', 'key-1',
+       idempotency.idem_fingerprint('{"amount": 99}'::jsonb));
+SQL
+
+section "a transient answer (503) is not stored: the key is released and a retry runs again"
+psql_demo <<'SQL'
+SELECT outcome, attempt FROM idempotency.idem_claim('alice:POST /payments', 'key-3');
+SELECT idempotency.idem_complete('alice:POST /payments', 'key-3', 503, 'upstream unavailable');
+SELECT outcome, attempt FROM idempotency.idem_claim('alice:POST /payments', 'key-3');
+SQL
+
+section "two transactions: a crashed client's lease runs out and a retry takes over"
+psql_demo <<'SQL'
+SELECT outcome, attempt FROM idempotency.idem_claim('alice:POST /charges', 'key-4', lease => '1 second');
+SELECT idempotency.idem_checkpoint('alice:POST /charges', 'key-4', 'card charged', 1);
+\echo '-- ... the client crashes here; a second later the retry arrives:'
+SELECT pg_sleep(1.1);
+SELECT outcome, attempt, recovery_point FROM idempotency.idem_claim('alice:POST /charges', 'key-4');
+SELECT idempotency.idem_complete('alice:POST /charges', 'key-4', 200, 'charged once', NULL, 2);
+SQL
+
+section "the stored keys"
+psql_demo <<'SQL'
+SELECT scope, key, attempt, status_code, recovery_point FROM idempotency.keys ORDER BY scope, key;
+SQL
+
+section "done: stopping and removing the cluster"
