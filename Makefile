@@ -14,7 +14,9 @@ OBJS = \
 	src/guc.o \
 	src/tables.o \
 	src/keys.o \
-	src/fingerprint.o
+	src/fingerprint.o \
+	src/events.o \
+	src/outbox.o
 DATA = idempotency--1.0.sql
 PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 
@@ -27,11 +29,12 @@ TEST_CONF = $(CURDIR)/test/idempotency.conf
 
 # pg_regress: one file per topic under sql/, expected output under expected/
 REGRESS = setup keys_claim keys_complete keys_lease keys_fingerprint keys_input \
-	keys_release_policy keys_security
+	keys_release_policy keys_security events outbox outbox_routes
 REGRESS_OPTS = --temp-config=$(TEST_CONF) --temp-instance=$(CURDIR)/tmp_check
 
 # pg_isolation_regress: specs/*.spec, expected output under expected/
-ISOLATION = claim_concurrent claim_rollback claim_lease claim_isolation_levels
+ISOLATION = claim_concurrent claim_rollback claim_lease claim_isolation_levels \
+	events_concurrent outbox_order outbox_relays
 ISOLATION_OPTS = --temp-config=$(TEST_CONF) --temp-instance=$(CURDIR)/tmp_check_iso
 
 # TAP: t/*.pl, each starting its own PostgreSQL::Test::Cluster
@@ -47,6 +50,10 @@ all:
 	@echo "PostgreSQL's server development files are missing: run 'make test' (as root, it installs them) or install postgresql-server-dev-15." >&2
 	@exit 1
 endif
+
+# PGXS does not track header dependencies unless the server was configured
+# with --enable-depend: rebuild every object when any header changes.
+$(OBJS): $(wildcard src/*.h)
 
 .PHONY: test demo check-regress check-isolation check-tap
 

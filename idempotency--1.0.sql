@@ -144,8 +144,185 @@ COMMENT ON FUNCTION idempotency.idem_fingerprint(bytea) IS
 	'hex SHA-256 of the bytes';
 
 /* ---------------------------------------------------------------------
+ * 2. Consumer deduplication
+ * ---------------------------------------------------------------------
+ */
+
+/*
+ * One row per event a consumer has processed, kept for the retention given
+ * (idempotency.event_retention by default): longer than the broker keeps
+ * messages, so that every redelivery finds it.
+ */
+CREATE TABLE idempotency.processed_events (
+	consumer		text COLLATE "C" NOT NULL,
+	event_id		text COLLATE "C" NOT NULL,
+	processed_at	timestamptz NOT NULL,
+	expires_at		timestamptz NOT NULL,
+	PRIMARY KEY (consumer, event_id)
+);
+
+COMMENT ON TABLE idempotency.processed_events IS
+	'events each consumer has processed, for deduplication of redelivered messages';
+COMMENT ON COLUMN idempotency.processed_events.consumer IS 'the consuming service or handler';
+COMMENT ON COLUMN idempotency.processed_events.event_id IS 'the message''s unique id';
+COMMENT ON COLUMN idempotency.processed_events.processed_at IS 'when the handler''s transaction marked it';
+COMMENT ON COLUMN idempotency.processed_events.expires_at IS 'from this instant the event counts as not processed and may be purged';
+
+SELECT pg_catalog.pg_extension_config_dump('idempotency.processed_events', '');
+
+CREATE FUNCTION idempotency.idem_mark_processed(consumer text, event_id text,
+												retention interval DEFAULT NULL)
+RETURNS boolean
+AS 'MODULE_PATHNAME', 'idem_mark_processed'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_mark_processed(text, text, interval) IS
+	'mark an event processed inside the handler''s transaction: true the first time (process it), false for a duplicate (skip it)';
+
+CREATE FUNCTION idempotency.idem_is_processed(consumer text, event_id text)
+RETURNS boolean
+AS 'MODULE_PATHNAME', 'idem_is_processed'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL SAFE;
+
+COMMENT ON FUNCTION idempotency.idem_is_processed(text, text) IS
+	'has this consumer processed this event (a committed mark within its retention)?  Only looks';
+
+/* ---------------------------------------------------------------------
+ * 3. Transactional outbox
+ * ---------------------------------------------------------------------
+ */
+
+CREATE SEQUENCE idempotency.outbox_id_seq AS bigint;
+
+/*
+ * Events written in the business transaction, published after it commits.
+ * A row is pending (ready from available_at), leased (handed out until
+ * available_at), dead (failed outbox_max_attempts times; holds back its key)
+ * or published (kept for idempotency.outbox_retention, then purged).  The
+ * columns map onto Debezium's outbox event router: see the README.
+ */
+CREATE TABLE idempotency.outbox (
+	id				bigint NOT NULL DEFAULT nextval('idempotency.outbox_id_seq'),
+	topic			text COLLATE "C" NOT NULL,
+	key				text COLLATE "C",
+	payload			jsonb NOT NULL,
+	headers			jsonb,
+	created_at		timestamptz NOT NULL DEFAULT clock_timestamp(),
+	state			text NOT NULL DEFAULT 'pending'
+		CHECK (state IN ('pending', 'leased', 'dead', 'published')),
+	attempts		integer NOT NULL DEFAULT 0,
+	available_at	timestamptz NOT NULL DEFAULT clock_timestamp(),
+	last_error		text,
+	published_at	timestamptz,
+	PRIMARY KEY (id)
+);
+
+ALTER SEQUENCE idempotency.outbox_id_seq OWNED BY idempotency.outbox.id;
+
+/* the rows a relay or the worker may take next, per topic, oldest first */
+CREATE INDEX outbox_ready ON idempotency.outbox (topic, id)
+	WHERE state IN ('pending', 'leased');
+
+/* per-key order: is an earlier row of the same key still unpublished? */
+CREATE INDEX outbox_key_order ON idempotency.outbox (topic, key, id)
+	WHERE state <> 'published';
+
+COMMENT ON TABLE idempotency.outbox IS
+	'transactional outbox: events enqueued in the business transaction, published after commit, in order per (topic, key)';
+COMMENT ON COLUMN idempotency.outbox.id IS 'event id, increasing in enqueue order (Debezium: table.field.event.id)';
+COMMENT ON COLUMN idempotency.outbox.topic IS 'where the event goes; selects the route (Debezium: route.by.field)';
+COMMENT ON COLUMN idempotency.outbox.key IS 'ordering key: rows of one (topic, key) go out oldest first; NULL rows are independent (Debezium: table.field.event.key)';
+COMMENT ON COLUMN idempotency.outbox.payload IS 'the event (Debezium: table.field.event.payload)';
+COMMENT ON COLUMN idempotency.outbox.headers IS 'optional message headers, a JSON object';
+COMMENT ON COLUMN idempotency.outbox.created_at IS 'when the event was enqueued (Debezium: table.field.event.timestamp)';
+COMMENT ON COLUMN idempotency.outbox.state IS 'pending, leased, dead or published';
+COMMENT ON COLUMN idempotency.outbox.attempts IS 'how many times the row was handed out or tried';
+COMMENT ON COLUMN idempotency.outbox.available_at IS 'pending: not before this instant (backoff); leased: when the lease runs out';
+COMMENT ON COLUMN idempotency.outbox.last_error IS 'why the last attempt failed';
+COMMENT ON COLUMN idempotency.outbox.published_at IS 'when the row was published or acknowledged';
+
+SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox', '');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_id_seq', '');
+
+/* Where the background worker publishes each topic; '*' is the default. */
+CREATE TABLE idempotency.outbox_routes (
+	topic			text COLLATE "C" PRIMARY KEY,
+	target			text NOT NULL
+		CHECK (target IN ('notify', 'logical', 'function', 'none')),
+	destination		text
+);
+
+COMMENT ON TABLE idempotency.outbox_routes IS
+	'how the background worker publishes each topic (set with idem_outbox_route); topic ''*'' is the default route';
+COMMENT ON COLUMN idempotency.outbox_routes.target IS 'notify, logical, function or none';
+COMMENT ON COLUMN idempotency.outbox_routes.destination IS 'the NOTIFY channel, the logical message prefix, or the function';
+
+SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_routes', '');
+
+CREATE FUNCTION idempotency.idem_outbox_enqueue(topic text, payload jsonb,
+												key text DEFAULT NULL,
+												headers jsonb DEFAULT NULL)
+RETURNS bigint
+AS 'MODULE_PATHNAME', 'idem_outbox_enqueue'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_outbox_enqueue(text, jsonb, text, jsonb) IS
+	'enqueue an event inside the business transaction: it exists if and only if the transaction commits';
+
+CREATE FUNCTION idempotency.idem_outbox_route(topic text, target text,
+											  destination text DEFAULT NULL)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_outbox_route'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_outbox_route(text, text, text) IS
+	'choose how the background worker publishes a topic (''*'': every topic without a route of its own)';
+
+CREATE FUNCTION idempotency.idem_outbox_fetch(topic text, batch integer DEFAULT 100,
+											  lease interval DEFAULT '30s')
+RETURNS SETOF idempotency.outbox
+AS 'MODULE_PATHNAME', 'idem_outbox_fetch'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE ROWS 100;
+
+COMMENT ON FUNCTION idempotency.idem_outbox_fetch(text, integer, interval) IS
+	'lease up to batch ready rows of a topic for an external relay, oldest first and gap-safe per key';
+
+CREATE FUNCTION idempotency.idem_outbox_ack(ids bigint[])
+RETURNS integer
+AS 'MODULE_PATHNAME', 'idem_outbox_ack'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_outbox_ack(bigint[]) IS
+	'acknowledge leased rows as published; returns how many were';
+
+CREATE FUNCTION idempotency.idem_outbox_nack(id bigint, error text)
+RETURNS boolean
+AS 'MODULE_PATHNAME', 'idem_outbox_nack'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_outbox_nack(bigint, text) IS
+	'report a failed publish of a leased row: retried later with backoff, dead after outbox_max_attempts';
+
+CREATE FUNCTION idempotency.idem_outbox_requeue(id bigint)
+RETURNS boolean
+AS 'MODULE_PATHNAME', 'idem_outbox_requeue'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_outbox_requeue(bigint) IS
+	'bring a dead row back: pending, attempts reset';
+
+CREATE FUNCTION idempotency.idem_outbox_discard(id bigint)
+RETURNS boolean
+AS 'MODULE_PATHNAME', 'idem_outbox_discard'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_outbox_discard(bigint) IS
+	'drop a dead row, releasing the later rows of its key';
+
+/* ---------------------------------------------------------------------
  * Privileges: nothing for PUBLIC.
  * ---------------------------------------------------------------------
  */
 REVOKE ALL ON ALL TABLES IN SCHEMA idempotency FROM PUBLIC;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA idempotency FROM PUBLIC;
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM PUBLIC;

@@ -52,4 +52,48 @@ typedef bool CompatUpdateIndexes;
 #define MarkGUCPrefixReserved(prefix) EmitWarningsOnPlaceholders(prefix)
 #endif
 
+/*
+ * Privilege checks on one object went through per-kind functions up to 15
+ * and object_aclcheck() from 16.
+ */
+#if PG_VERSION_NUM >= 160000
+#define compat_function_aclcheck(funcoid, roleid, mode) \
+	object_aclcheck(ProcedureRelationId, (funcoid), (roleid), (mode))
+#else
+#define compat_function_aclcheck(funcoid, roleid, mode) \
+	pg_proc_aclcheck((funcoid), (roleid), (mode))
+#endif
+
+/*
+ * InitMaterializedSRF() (15) sets up a set-returning function's tuplestore;
+ * older servers get the same, spelled out.
+ */
+#if PG_VERSION_NUM < 150000
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "utils/tuplestore.h"
+
+#define MAT_SRF_USE_EXPECTED_DESC	0x01
+
+static inline void
+InitMaterializedSRF(FunctionCallInfo fcinfo, bits32 flags)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	MemoryContext oldcontext;
+
+	if (rsinfo == NULL || !IsA(rsinfo, ReturnSetInfo) ||
+		(rsinfo->allowedModes & SFRM_Materialize) == 0 ||
+		rsinfo->expectedDesc == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("set-valued function called in context that cannot accept a set")));
+
+	oldcontext = MemoryContextSwitchTo(rsinfo->econtext->ecxt_per_query_memory);
+	rsinfo->setDesc = CreateTupleDescCopy(rsinfo->expectedDesc);
+	rsinfo->setResult = tuplestore_begin_heap(true, false, work_mem);
+	rsinfo->returnMode = SFRM_Materialize;
+	MemoryContextSwitchTo(oldcontext);
+}
+#endif
+
 #endif							/* IDEMPOTENCY_COMPAT_H */

@@ -24,6 +24,11 @@
 
 int			idem_key_ttl_s = 24 * 60 * 60;
 int			idem_lease_ms = 60 * 1000;
+int			idem_event_retention_s = 14 * 24 * 60 * 60;
+int			idem_outbox_backoff_min_ms = 1000;
+int			idem_outbox_backoff_max_ms = 5 * 60 * 1000;
+int			idem_outbox_max_attempts = 10;
+int			idem_outbox_retention_s = 0;
 
 static char *release_statuses_string = NULL;
 
@@ -206,6 +211,57 @@ idem_define_gucs(void)
 							   check_release_statuses,
 							   assign_release_statuses,
 							   NULL);
+
+	DefineCustomIntVariable("idempotency.event_retention",
+							"How long a processed event is remembered.",
+							"Used when idem_mark_processed is called without a "
+							"retention.  Make it longer than the broker keeps "
+							"messages, plus a buffer: a redelivery after it is "
+							"processed again.",
+							&idem_event_retention_s,
+							14 * 24 * 60 * 60, 1, INT_MAX,
+							PGC_USERSET,
+							GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.outbox_backoff_min",
+							"Shortest wait before an outbox row that failed is tried again.",
+							"Retries back off exponentially from here, with jitter, "
+							"up to idempotency.outbox_backoff_max.",
+							&idem_outbox_backoff_min_ms,
+							1000, 1, INT_MAX,
+							PGC_SUSET,
+							GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.outbox_backoff_max",
+							"Longest wait before an outbox row that failed is tried again.",
+							"When set below idempotency.outbox_backoff_min, the "
+							"minimum is used.",
+							&idem_outbox_backoff_max_ms,
+							5 * 60 * 1000, 1, INT_MAX,
+							PGC_SUSET,
+							GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.outbox_max_attempts",
+							"Attempts after which an outbox row is dead.",
+							"A dead row keeps holding back the later rows of its "
+							"key until idem_outbox_requeue or idem_outbox_discard.",
+							&idem_outbox_max_attempts,
+							10, 1, INT_MAX,
+							PGC_SUSET,
+							0,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.outbox_retention",
+							"How long a published outbox row is kept.",
+							"0 deletes a row as soon as it is published or acknowledged.",
+							&idem_outbox_retention_s,
+							0, 0, INT_MAX,
+							PGC_SUSET,
+							GUC_UNIT_S,
+							NULL, NULL, NULL);
 
 	MarkGUCPrefixReserved("idempotency");
 }

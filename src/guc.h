@@ -16,6 +16,19 @@ extern int	idem_key_ttl_s;
 /* idempotency.lease, in milliseconds */
 extern int	idem_lease_ms;
 
+/* idempotency.event_retention, in seconds */
+extern int	idem_event_retention_s;
+
+/* idempotency.outbox_backoff_min and _max, in milliseconds */
+extern int	idem_outbox_backoff_min_ms;
+extern int	idem_outbox_backoff_max_ms;
+
+/* idempotency.outbox_max_attempts */
+extern int	idem_outbox_max_attempts;
+
+/* idempotency.outbox_retention, in seconds (0: delete when published) */
+extern int	idem_outbox_retention_s;
+
 extern void idem_define_gucs(void);
 
 /* Is this HTTP status transient (released, not stored)?  See release_statuses. */

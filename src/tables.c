@@ -82,10 +82,19 @@ static const ExpectedColumn keys_columns[Natts_keys] = {
 	{"expires_at", TIMESTAMPTZOID},
 };
 
-static const Oid keys_pkey_eq[] = {F_TEXTEQ, F_TEXTEQ};
+/* both tables' primary keys are two text columns */
+static const Oid two_text_columns_eq[] = {F_TEXTEQ, F_TEXTEQ};
+
+static const ExpectedColumn events_columns[Natts_events] = {
+	{"consumer", TEXTOID},
+	{"event_id", TEXTOID},
+	{"processed_at", TIMESTAMPTZOID},
+	{"expires_at", TIMESTAMPTZOID},
+};
 
 static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
-	[IDEM_TABLE_KEYS] = {"keys", Natts_keys, keys_columns, 2, keys_pkey_eq},
+	[IDEM_TABLE_KEYS] = {"keys", Natts_keys, keys_columns, 2, two_text_columns_eq},
+	[IDEM_TABLE_EVENTS] = {"processed_events", Natts_events, events_columns, 2, two_text_columns_eq},
 };
 
 /*
@@ -97,6 +106,7 @@ typedef struct TableOids
 {
 	Oid			relid;
 	Oid			pkeyid;
+	Oid			owner;
 } TableOids;
 
 static TableOids table_oids[IDEM_NUM_TABLES];
@@ -165,6 +175,7 @@ lookup_table_oids(IdemTable table)
 	check_table_shape(heap, def);
 	list_free(RelationGetIndexList(heap));	/* fills in rd_pkindex */
 	oids->pkeyid = heap->rd_pkindex;
+	oids->owner = heap->rd_rel->relowner;
 	table_close(heap, AccessShareLock);
 
 	if (!OidIsValid(oids->pkeyid))
@@ -176,6 +187,16 @@ lookup_table_oids(IdemTable table)
 				 errhint("Reinstall the extension with DROP EXTENSION and CREATE EXTENSION.")));
 	}
 	return oids;
+}
+
+/*
+ * The role that owns the extension's tables: the one that ran CREATE
+ * EXTENSION.  The outbox's SQL runs as this role (see outbox.c).
+ */
+Oid
+idem_tables_owner(void)
+{
+	return lookup_table_oids(IDEM_TABLE_KEYS)->owner;
 }
 
 void
@@ -282,6 +303,7 @@ idem_probe(IdemRelation *rel, const Datum *pkey_values, ProbeResult *result)
 		result->tuple = ExecCopySlotHeapTuple(slot);
 		result->tid = slot->tts_tid;
 		result->being_modified = TransactionIdIsValid(dirty.xmax);
+		result->modifying_xid = dirty.xmax;
 		break;
 	}
 

@@ -19,6 +19,7 @@
 typedef enum IdemTable
 {
 	IDEM_TABLE_KEYS,
+	IDEM_TABLE_EVENTS,
 	IDEM_NUM_TABLES
 } IdemTable;
 
@@ -40,6 +41,16 @@ typedef enum KeysColumn
 	Anum_keys_expires_at,
 	Natts_keys = Anum_keys_expires_at
 } KeysColumn;
+
+/* Column numbers of idempotency.processed_events. */
+typedef enum EventsColumn
+{
+	Anum_events_consumer = 1,
+	Anum_events_event_id,
+	Anum_events_processed_at,
+	Anum_events_expires_at,
+	Natts_events = Anum_events_expires_at
+} EventsColumn;
 
 /* An open table with its primary key (and, once needed, all its indexes). */
 typedef struct IdemRelation
@@ -72,13 +83,15 @@ typedef struct ProbeResult
 	/* PROBE_FOUND: a copy of the row, and where it is */
 	HeapTuple	tuple;
 	ItemPointerData tid;
-	/* PROBE_FOUND: another transaction is updating, deleting or locking it */
+	/* PROBE_FOUND: another transaction is updating or deleting it */
 	bool		being_modified;
+	TransactionId modifying_xid;
 	/* PROBE_INSERTING: the inserter, and its speculative token if any */
 	TransactionId inserting_xid;
 	uint32		speculative_token;
 } ProbeResult;
 
+extern Oid	idem_tables_owner(void);
 extern void idem_relation_open(IdemRelation *rel, IdemTable table,
 							   LOCKMODE lockmode);
 extern void idem_relation_close(IdemRelation *rel);

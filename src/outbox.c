@@ -1,0 +1,595 @@
+/*-------------------------------------------------------------------------
+ *
+ * outbox.c
+ *	  The transactional outbox: idem_outbox_enqueue, the routes, and the pull
+ *	  API for external relays (fetch, ack, nack, requeue, discard).
+ *
+ * Ordering.  Rows of one (topic, key) go out oldest first, gap-safe: a row
+ * is never handed out while an earlier row of its key is unpublished
+ * (pending, leased or dead).  Ids come from a sequence and are handed out
+ * before commit, so an id alone says nothing about commit order: a poller
+ * that takes "ids above the last one seen" skips rows that commit late.  We
+ * avoid that in two parts:
+ *
+ *	- enqueuers of one (topic, key) are serialised: idem_outbox_enqueue takes
+ *	  a transaction-scoped lock on the pair before the row gets its id, so a
+ *	  later row of a key cannot get an id, let alone commit, before an
+ *	  earlier one's transaction has ended.  Other keys never wait, however
+ *	  long a transaction runs; rows without a key take no lock;
+ *
+ *	- readers never work from an id watermark: they take the head of each
+ *	  key, the oldest unpublished row, and only if it is ready.
+ *
+ * The statements run through SPI with plans prepared once per backend, as
+ * the owner of the extension's tables and with a pinned search_path, in the
+ * manner of a SECURITY DEFINER function: EXECUTE on the function is what a
+ * caller needs, as for the key functions, which reach their tables directly.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include <ctype.h>
+
+#include "access/htup_details.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_proc.h"
+#include "catalog/pg_type.h"
+#include "common/hashfn.h"
+#include "executor/spi.h"
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "storage/lmgr.h"
+#include "utils/acl.h"
+#include "utils/array.h"
+#include "utils/builtins.h"
+#include "utils/guc.h"
+#include "utils/jsonb.h"
+#include "utils/lsyscache.h"
+#include "utils/regproc.h"
+#include "utils/syscache.h"
+#include "utils/timestamp.h"
+#include "utils/tuplestore.h"
+
+#include "compat.h"
+#include "guc.h"
+#include "idempotency.h"
+#include "outbox.h"
+#include "tables.h"
+
+PG_FUNCTION_INFO_V1(idem_outbox_enqueue);
+PG_FUNCTION_INFO_V1(idem_outbox_route);
+PG_FUNCTION_INFO_V1(idem_outbox_fetch);
+PG_FUNCTION_INFO_V1(idem_outbox_ack);
+PG_FUNCTION_INFO_V1(idem_outbox_nack);
+PG_FUNCTION_INFO_V1(idem_outbox_requeue);
+PG_FUNCTION_INFO_V1(idem_outbox_discard);
+
+/*
+ * The per-key enqueue lock is an advisory lock (it shows in pg_locks with
+ * locktype "advisory") on a 64-bit hash of the pair, told apart from the
+ * advisory locks of pg_advisory_lock() by this value in its last field
+ * (objsubid).  A hash collision only makes two keys share a lock.
+ */
+#define OUTBOX_KEY_LOCK_CLASS	0x4944
+
+/* The longest NOTIFY channel or logical message prefix we accept. */
+#define ROUTE_NAME_MAX_BYTES	(NAMEDATALEN - 1)
+
+/*
+ * The next try of a row that failed its attempts-th time, in milliseconds:
+ * capped exponential backoff with "equal jitter" (half the exponential delay
+ * plus a random part of the other half), never below the minimum nor above
+ * the maximum.  $MIN and $MAX are the two settings.
+ */
+#define BACKOFF_MS_SQL(attempts, min, max) \
+	"greatest(" min ", least(" max ", " min " * power(2, least(" attempts " - 1, 30)))" \
+	" * (0.5 + random() / 2))"
+
+typedef enum OutboxStatement
+{
+	STMT_ENQUEUE,
+	STMT_FETCH,
+	STMT_ACK_DELETE,
+	STMT_ACK_KEEP,
+	STMT_NACK,
+	STMT_REQUEUE,
+	STMT_DISCARD,
+	STMT_ROUTE,
+	NUM_STATEMENTS
+} OutboxStatement;
+
+typedef struct StatementDef
+{
+	const char *sql;
+	int			nargs;
+	Oid			argtypes[6];
+} StatementDef;
+
+static const StatementDef statements[NUM_STATEMENTS] = {
+	[STMT_ENQUEUE] = {
+		"INSERT INTO idempotency.outbox (topic, key, payload, headers, created_at, available_at)"
+		" VALUES ($1, $2, $3, $4, $5, $5) RETURNING id",
+		5, {TEXTOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID}
+	},
+
+	/*
+	 * Lease the ready heads of a topic: rows that no earlier unpublished row
+	 * of the same key holds back, oldest first, skipping rows another relay
+	 * is taking right now.  A leased row whose lease ran out is handed out
+	 * again (one more attempt), or becomes dead if it has had them all.
+	 * $1 topic, $2 batch, $3 lease, $4 now, $5 max attempts.
+	 */
+	[STMT_FETCH] = {
+		"WITH candidate AS ("
+		"  SELECT o.id, o.state = 'leased' AND o.attempts >= $5 AS exhausted"
+		"  FROM idempotency.outbox o"
+		"  WHERE o.topic = $1 AND o.state IN ('pending', 'leased') AND o.available_at <= $4"
+		"    AND NOT EXISTS (SELECT FROM idempotency.outbox earlier"
+		"                    WHERE earlier.topic = o.topic AND earlier.key = o.key"
+		"                      AND earlier.id < o.id AND earlier.state <> 'published')"
+		"  ORDER BY o.id LIMIT $2"
+		"  FOR UPDATE OF o SKIP LOCKED"
+		"), handed_out AS ("
+		"  UPDATE idempotency.outbox o"
+		"  SET state = CASE WHEN c.exhausted THEN 'dead' ELSE 'leased' END,"
+		"      attempts = CASE WHEN c.exhausted THEN o.attempts ELSE o.attempts + 1 END,"
+		"      last_error = CASE WHEN c.exhausted THEN 'lease ran out without acknowledgement'"
+		"                        ELSE o.last_error END,"
+		"      available_at = $4 + $3"
+		"  FROM candidate c"
+		"  WHERE o.id = c.id"
+		"  RETURNING o.*"
+		")"
+		" SELECT * FROM handed_out WHERE state = 'leased' ORDER BY id",
+		5, {TEXTOID, INT4OID, INTERVALOID, TIMESTAMPTZOID, INT4OID}
+	},
+
+	[STMT_ACK_DELETE] = {
+		"DELETE FROM idempotency.outbox WHERE id = ANY ($1) AND state = 'leased'",
+		1, {INT8ARRAYOID}
+	},
+	[STMT_ACK_KEEP] = {
+		"UPDATE idempotency.outbox SET state = 'published', published_at = $2"
+		" WHERE id = ANY ($1) AND state = 'leased'",
+		2, {INT8ARRAYOID, TIMESTAMPTZOID}
+	},
+
+	/* $1 id, $2 error, $3 now, $4 max attempts, $5 backoff min, $6 backoff max */
+	[STMT_NACK] = {
+		"UPDATE idempotency.outbox"
+		" SET state = CASE WHEN attempts >= $4 THEN 'dead' ELSE 'pending' END,"
+		"     last_error = $2,"
+		"     available_at = $3 + make_interval(secs => "
+		BACKOFF_MS_SQL("attempts", "$5", "$6") " / 1000.0)"
+		" WHERE id = $1 AND state = 'leased'",
+		6, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID}
+	},
+
+	[STMT_REQUEUE] = {
+		"UPDATE idempotency.outbox SET state = 'pending', attempts = 0, available_at = $2"
+		" WHERE id = $1 AND state = 'dead'",
+		2, {INT8OID, TIMESTAMPTZOID}
+	},
+	[STMT_DISCARD] = {
+		"DELETE FROM idempotency.outbox WHERE id = $1 AND state = 'dead'",
+		1, {INT8OID}
+	},
+	[STMT_ROUTE] = {
+		"INSERT INTO idempotency.outbox_routes (topic, target, destination) VALUES ($1, $2, $3)"
+		" ON CONFLICT (topic) DO UPDATE"
+		" SET target = excluded.target, destination = excluded.destination",
+		3, {TEXTOID, TEXTOID, TEXTOID}
+	},
+};
+
+/* Plans prepared on first use and kept for the backend's life. */
+static SPIPlanPtr plans[NUM_STATEMENTS];
+
+/*
+ * Enter the context the outbox's statements run in: as the owner of the
+ * extension's tables, with search_path pinned to pg_catalog, connected to
+ * SPI.  An error on the way out of here is cleaned up by the transaction's
+ * abort, which restores the user and the settings.
+ */
+void
+outbox_sql_begin(OutboxSqlContext *context)
+{
+	GetUserIdAndSecContext(&context->saved_userid, &context->saved_sec_context);
+	SetUserIdAndSecContext(idem_tables_owner(),
+						   context->saved_sec_context | SECURITY_LOCAL_USERID_CHANGE);
+	context->guc_nest_level = NewGUCNestLevel();
+	(void) set_config_option("search_path", "pg_catalog, pg_temp",
+							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
+							 true, 0, false);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+}
+
+void
+outbox_sql_end(OutboxSqlContext *context)
+{
+	SPI_finish();
+	AtEOXact_GUC(true, context->guc_nest_level);
+	SetUserIdAndSecContext(context->saved_userid, context->saved_sec_context);
+}
+
+/* Run one of the statements above; returns SPI_processed. */
+static uint64
+outbox_sql_run(OutboxStatement statement, Datum *values, const char *nulls)
+{
+	int			ret;
+
+	if (plans[statement] == NULL)
+	{
+		const StatementDef *def = &statements[statement];
+		SPIPlanPtr	plan = SPI_prepare(def->sql, def->nargs, (Oid *) def->argtypes);
+
+		if (plan == NULL)
+			elog(ERROR, "could not prepare outbox statement %d: %s",
+				 (int) statement, SPI_result_code_string(SPI_result));
+		if (SPI_keepplan(plan) != 0)
+			elog(ERROR, "could not keep outbox statement %d", (int) statement);
+		plans[statement] = plan;
+	}
+
+	ret = SPI_execute_plan(plans[statement], values, nulls, false, 0);
+	if (ret < 0)
+		elog(ERROR, "outbox statement %d failed: %s",
+			 (int) statement, SPI_result_code_string(ret));
+	return SPI_processed;
+}
+
+/*
+ * Serialise enqueuers of one (topic, key) until the end of the transaction.
+ */
+static void
+lock_outbox_key(text *topic, text *key)
+{
+	uint64		hash;
+	LOCKTAG		tag;
+
+	hash = hash_bytes_extended((const unsigned char *) VARDATA_ANY(topic),
+							   VARSIZE_ANY_EXHDR(topic), 0);
+	hash = hash_bytes_extended((const unsigned char *) VARDATA_ANY(key),
+							   VARSIZE_ANY_EXHDR(key), hash);
+	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, (uint32) (hash >> 32), (uint32) hash,
+						 OUTBOX_KEY_LOCK_CLASS);
+	(void) LockAcquire(&tag, ExclusiveLock, false, false);
+}
+
+/*
+ * idem_outbox_enqueue(topic, payload, key, headers) -> bigint
+ */
+Datum
+idem_outbox_enqueue(PG_FUNCTION_ARGS)
+{
+	text	   *topic = idem_arg_identifier(fcinfo, 0, "topic", 1);
+	text	   *key = PG_ARGISNULL(2) ? NULL : idem_arg_identifier(fcinfo, 2, "key", 1);
+	Jsonb	   *headers = PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3);
+	Datum		values[5];
+	char		nulls[5] = {' ', ' ', ' ', ' ', ' '};
+	OutboxSqlContext context;
+	bool		isnull;
+	int64		id;
+
+	if (VARSIZE_ANY_EXHDR(topic) == 1 && *VARDATA_ANY(topic) == '*')
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("\"*\" is not a topic"),
+				 errdetail("\"*\" names the default route in idem_outbox_route.")));
+	if (PG_ARGISNULL(1))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("payload must not be null")));
+	if (headers != NULL && !JB_ROOT_IS_OBJECT(headers))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("headers must be a JSON object")));
+
+	idem_require_writable("idem_outbox_enqueue()");
+
+	/* before the row gets its id: see the top of this file */
+	if (key != NULL)
+		lock_outbox_key(topic, key);
+
+	values[0] = PointerGetDatum(topic);
+	values[1] = PointerGetDatum(key);
+	nulls[1] = key == NULL ? 'n' : ' ';
+	values[2] = PG_GETARG_DATUM(1);
+	values[3] = PointerGetDatum(headers);
+	nulls[3] = headers == NULL ? 'n' : ' ';
+	values[4] = TimestampTzGetDatum(GetCurrentTimestamp());
+
+	outbox_sql_begin(&context);
+	outbox_sql_run(STMT_ENQUEUE, values, nulls);
+	id = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull));
+	outbox_sql_end(&context);
+
+	PG_RETURN_INT64(id);
+}
+
+/* A NOTIFY channel or logical message prefix: 1 to 63 bytes, no spaces. */
+static void
+check_route_name(const char *target, const char *name)
+{
+	size_t		len = strlen(name);
+	bool		ok = len >= 1 && len <= ROUTE_NAME_MAX_BYTES;
+
+	for (const char *p = name; ok && *p != '\0'; p++)
+		ok = !isspace((unsigned char) *p) && !iscntrl((unsigned char) *p);
+	if (!ok)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("\"%s\" is not a valid %s", name,
+						strcmp(target, "notify") == 0 ? "channel name" : "message prefix"),
+				 errdetail("A %s is 1 to %d bytes, without white space or control characters.",
+						   strcmp(target, "notify") == 0 ? "channel name" : "message prefix",
+						   ROUTE_NAME_MAX_BYTES)));
+}
+
+/*
+ * Resolve a function target: a name, or a signature, of a function that
+ * takes one idempotency.outbox row.  Returns it in the qualified form the
+ * route stores.
+ */
+static char *
+resolve_route_function(const char *destination)
+{
+	Oid			rowtype;
+	char	   *signature;
+	Oid			funcoid;
+	HeapTuple	proctup;
+	Form_pg_proc proc;
+	bool		takes_one_row;
+	AclResult	aclresult;
+
+	rowtype = get_rel_type_id(get_relname_relid("outbox",
+												get_namespace_oid("idempotency", false)));
+
+	/* a bare name means the overload that takes an outbox row */
+	signature = strchr(destination, '(') != NULL ? pstrdup(destination) :
+		psprintf("%s(idempotency.outbox)", destination);
+	funcoid = DatumGetObjectId(DirectFunctionCall1(regprocedurein,
+												   CStringGetDatum(signature)));
+
+	proctup = SearchSysCache1(PROCOID, ObjectIdGetDatum(funcoid));
+	if (!HeapTupleIsValid(proctup))
+		elog(ERROR, "cache lookup failed for function %u", funcoid);
+	proc = (Form_pg_proc) GETSTRUCT(proctup);
+	takes_one_row = proc->pronargs == 1 && proc->proargtypes.values[0] == rowtype;
+	if (proc->prokind != PROKIND_FUNCTION)
+		ereport(ERROR,
+				(errcode(ERRCODE_WRONG_OBJECT_TYPE),
+				 errmsg("%s is not a function", format_procedure_qualified(funcoid)),
+				 errhint("Route to a plain function that takes one idempotency.outbox row.")));
+	ReleaseSysCache(proctup);
+	if (!takes_one_row)
+		ereport(ERROR,
+				(errcode(ERRCODE_DATATYPE_MISMATCH),
+				 errmsg("function %s does not take one idempotency.outbox row",
+						format_procedure_qualified(funcoid)),
+				 errhint("Declare it as f(event idempotency.outbox).")));
+
+	aclresult = compat_function_aclcheck(funcoid, GetUserId(), ACL_EXECUTE);
+	if (aclresult != ACLCHECK_OK)
+		aclcheck_error(aclresult, OBJECT_FUNCTION, format_procedure_qualified(funcoid));
+
+	return format_procedure_qualified(funcoid);
+}
+
+/*
+ * idem_outbox_route(topic, target, destination) -> void
+ *
+ * Targets: notify (destination: the channel, by default
+ * "idempotency_outbox"), logical (the message prefix, by default
+ * "idempotency.outbox"), function (required: a function taking one
+ * idempotency.outbox row) and none (no destination: an external relay uses
+ * the pull API).  Topic "*" sets the default route.
+ */
+Datum
+idem_outbox_route(PG_FUNCTION_ARGS)
+{
+	text	   *topic = idem_arg_identifier(fcinfo, 0, "topic", 1);
+	char	   *target;
+	char	   *destination = PG_ARGISNULL(2) ? NULL : text_to_cstring(PG_GETARG_TEXT_PP(2));
+	Datum		values[3];
+	char		nulls[3] = {' ', ' ', ' '};
+	OutboxSqlContext context;
+
+	if (PG_ARGISNULL(1))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("target must not be null")));
+	target = text_to_cstring(PG_GETARG_TEXT_PP(1));
+
+	if (strcmp(target, "notify") == 0 || strcmp(target, "logical") == 0)
+	{
+		if (destination == NULL)
+			destination = pstrdup(strcmp(target, "notify") == 0 ?
+								  "idempotency_outbox" : "idempotency.outbox");
+		check_route_name(target, destination);
+	}
+	else if (strcmp(target, "function") == 0)
+	{
+		if (destination == NULL)
+			ereport(ERROR,
+					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+					 errmsg("the function target needs a destination"),
+					 errhint("Name a function that takes one idempotency.outbox row.")));
+		destination = resolve_route_function(destination);
+	}
+	else if (strcmp(target, "none") == 0)
+	{
+		if (destination != NULL)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("the none target takes no destination")));
+	}
+	else
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("\"%s\" is not an outbox route target", target),
+				 errhint("The targets are notify, logical, function and none.")));
+
+	idem_require_writable("idem_outbox_route()");
+
+	values[0] = PointerGetDatum(topic);
+	values[1] = CStringGetTextDatum(target);
+	values[2] = destination != NULL ? CStringGetTextDatum(destination) : (Datum) 0;
+	nulls[2] = destination != NULL ? ' ' : 'n';
+
+	outbox_sql_begin(&context);
+	outbox_sql_run(STMT_ROUTE, values, nulls);
+	outbox_sql_end(&context);
+
+	PG_RETURN_VOID();
+}
+
+/*
+ * idem_outbox_fetch(topic, batch, lease) -> SETOF idempotency.outbox
+ */
+Datum
+idem_outbox_fetch(PG_FUNCTION_ARGS)
+{
+	text	   *topic = idem_arg_identifier(fcinfo, 0, "topic", 1);
+	int32		batch;
+	Interval   *lease;
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	Datum		values[5];
+	OutboxSqlContext context;
+	uint64		fetched;
+
+	if (PG_ARGISNULL(1))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("batch must not be null")));
+	batch = PG_GETARG_INT32(1);
+	if (batch <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("batch must be positive"),
+				 errdetail("The value given was %d.", batch)));
+	if (PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("lease must not be null")));
+	lease = idem_arg_duration(fcinfo, 2, "lease", 0);
+
+	idem_require_writable("idem_outbox_fetch()");
+	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
+
+	values[0] = PointerGetDatum(topic);
+	values[1] = Int32GetDatum(batch);
+	values[2] = IntervalPGetDatum(lease);
+	values[3] = TimestampTzGetDatum(GetCurrentTimestamp());
+	values[4] = Int32GetDatum(idem_outbox_max_attempts);
+
+	outbox_sql_begin(&context);
+	fetched = outbox_sql_run(STMT_FETCH, values, NULL);
+	for (uint64 i = 0; i < fetched; i++)
+		tuplestore_puttuple(rsinfo->setResult, SPI_tuptable->vals[i]);
+	outbox_sql_end(&context);
+
+	return (Datum) 0;
+}
+
+/*
+ * idem_outbox_ack(ids) -> integer: leased rows among ids, now published.
+ */
+Datum
+idem_outbox_ack(PG_FUNCTION_ARGS)
+{
+	Datum		values[2];
+	OutboxSqlContext context;
+	uint64		acknowledged;
+
+	if (PG_ARGISNULL(0))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("ids must not be null")));
+	idem_require_writable("idem_outbox_ack()");
+
+	values[0] = PG_GETARG_DATUM(0);
+	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
+
+	outbox_sql_begin(&context);
+	acknowledged = outbox_sql_run(idem_outbox_retention_s == 0 ?
+								  STMT_ACK_DELETE : STMT_ACK_KEEP,
+								  values, NULL);
+	outbox_sql_end(&context);
+
+	PG_RETURN_INT32((int32) acknowledged);
+}
+
+/* The functions below act on one row by id, and say whether they did. */
+static bool
+change_one_row(OutboxStatement statement, Datum *values, const char *nulls,
+			   const char *function_name)
+{
+	OutboxSqlContext context;
+	uint64		changed;
+
+	idem_require_writable(function_name);
+	outbox_sql_begin(&context);
+	changed = outbox_sql_run(statement, values, nulls);
+	outbox_sql_end(&context);
+	return changed > 0;
+}
+
+static int64
+arg_row_id(FunctionCallInfo fcinfo)
+{
+	if (PG_ARGISNULL(0))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("id must not be null")));
+	return PG_GETARG_INT64(0);
+}
+
+/*
+ * idem_outbox_nack(id, error) -> boolean: false for a row not leased.
+ */
+Datum
+idem_outbox_nack(PG_FUNCTION_ARGS)
+{
+	Datum		values[6];
+	char		nulls[6] = {' ', ' ', ' ', ' ', ' ', ' '};
+
+	values[0] = Int64GetDatum(arg_row_id(fcinfo));
+	values[1] = PG_ARGISNULL(1) ? (Datum) 0 : PG_GETARG_DATUM(1);
+	nulls[1] = PG_ARGISNULL(1) ? 'n' : ' ';
+	values[2] = TimestampTzGetDatum(GetCurrentTimestamp());
+	values[3] = Int32GetDatum(idem_outbox_max_attempts);
+	values[4] = Int32GetDatum(idem_outbox_backoff_min_ms);
+	values[5] = Int32GetDatum(Max(idem_outbox_backoff_min_ms, idem_outbox_backoff_max_ms));
+
+	PG_RETURN_BOOL(change_one_row(STMT_NACK, values, nulls, "idem_outbox_nack()"));
+}
+
+/*
+ * idem_outbox_requeue(id) -> boolean: a dead row is pending again, with its
+ * attempts reset; false for a row that is not dead.
+ */
+Datum
+idem_outbox_requeue(PG_FUNCTION_ARGS)
+{
+	Datum		values[2];
+
+	values[0] = Int64GetDatum(arg_row_id(fcinfo));
+	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
+	PG_RETURN_BOOL(change_one_row(STMT_REQUEUE, values, NULL, "idem_outbox_requeue()"));
+}
+
+/*
+ * idem_outbox_discard(id) -> boolean: a dead row is deleted; false for a
+ * row that is not dead.
+ */
+Datum
+idem_outbox_discard(PG_FUNCTION_ARGS)
+{
+	Datum		values[1];
+
+	values[0] = Int64GetDatum(arg_row_id(fcinfo));
+	PG_RETURN_BOOL(change_one_row(STMT_DISCARD, values, NULL, "idem_outbox_discard()"));
+}

@@ -1,0 +1,22 @@
+/*-------------------------------------------------------------------------
+ *
+ * outbox.h
+ *	  The transactional outbox, and the context its SQL runs in.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEMPOTENCY_OUTBOX_H
+#define IDEMPOTENCY_OUTBOX_H
+
+/* What outbox_sql_begin changed, for outbox_sql_end to restore. */
+typedef struct OutboxSqlContext
+{
+	Oid			saved_userid;
+	int			saved_sec_context;
+	int			guc_nest_level;
+} OutboxSqlContext;
+
+extern void outbox_sql_begin(OutboxSqlContext *context);
+extern void outbox_sql_end(OutboxSqlContext *context);
+
+#endif							/* IDEMPOTENCY_OUTBOX_H */
