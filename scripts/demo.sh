@@ -113,6 +113,44 @@ SELECT outcome, attempt, recovery_point FROM idempotency.idem_claim('alice:POST 
 SELECT idempotency.idem_complete('alice:POST /charges', 'key-4', 200, 'charged once', NULL, 2);
 SQL
 
+section "consumer deduplication: the first delivery is processed, a redelivery is skipped"
+psql_demo <<'SQL'
+CREATE TABLE invoices (order_id int);
+BEGIN;
+SELECT idempotency.idem_mark_processed('billing', 'evt-1001') AS process_it;
+INSERT INTO invoices VALUES (1001);
+COMMIT;
+\echo '-- the broker delivers evt-1001 again:'
+BEGIN;
+SELECT idempotency.idem_mark_processed('billing', 'evt-1001') AS process_it;
+COMMIT;
+SELECT count(*) AS invoices FROM invoices;
+SQL
+
+section "transactional outbox: events exist only if their transaction commits"
+psql_demo <<'SQL'
+BEGIN;
+SELECT idempotency.idem_outbox_enqueue('orders', '{"order": 7, "event": "created"}', 'order-7');
+ROLLBACK;
+BEGIN;
+SELECT idempotency.idem_outbox_enqueue('orders', '{"order": 7, "event": "created"}', 'order-7');
+SELECT idempotency.idem_outbox_enqueue('orders', '{"order": 7, "event": "paid"}', 'order-7');
+SELECT idempotency.idem_outbox_enqueue('orders', '{"order": 8, "event": "created"}', 'order-8');
+COMMIT;
+SELECT id, topic, key, payload, state FROM idempotency.outbox ORDER BY id;
+SQL
+
+section "a relay pulls them: one row per key at a time, in order; ack publishes, nack retries later"
+psql_demo <<'SQL'
+SELECT id, key, payload, attempts FROM idempotency.idem_outbox_fetch('orders', 10);
+SELECT idempotency.idem_outbox_ack(ARRAY[2]) AS acknowledged;
+SELECT idempotency.idem_outbox_nack(4, 'broker timeout') AS nacked;
+\echo '-- order 7 moves on to its next event; order 8 waits for its backoff:'
+SELECT id, key, payload, attempts FROM idempotency.idem_outbox_fetch('orders', 10);
+SELECT id, key, state, attempts, last_error, available_at > now() AS backing_off
+FROM idempotency.outbox ORDER BY id;
+SQL
+
 section "the stored keys"
 psql_demo <<'SQL'
 SELECT scope, key, attempt, status_code, recovery_point FROM idempotency.keys ORDER BY scope, key;
