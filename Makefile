@@ -16,7 +16,10 @@ OBJS = \
 	src/keys.o \
 	src/fingerprint.o \
 	src/events.o \
-	src/outbox.o
+	src/outbox.o \
+	src/shmem.o \
+	src/maintenance.o \
+	src/worker.o
 DATA = idempotency--1.0.sql
 PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 

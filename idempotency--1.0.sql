@@ -320,6 +320,83 @@ COMMENT ON FUNCTION idempotency.idem_outbox_discard(bigint) IS
 	'drop a dead row, releasing the later rows of its key';
 
 /* ---------------------------------------------------------------------
+ * 4. Background work and statistics
+ * ---------------------------------------------------------------------
+ */
+
+CREATE FUNCTION idempotency.idem_run_maintenance(OUT purged_keys bigint,
+												 OUT purged_events bigint,
+												 OUT purged_outbox bigint,
+												 OUT published bigint,
+												 OUT publish_failures bigint)
+RETURNS record
+AS 'MODULE_PATHNAME', 'idem_run_maintenance'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_run_maintenance() IS
+	'one batch of the background worker''s work (purge, publish) in this database, for setups without shared_preload_libraries (pg_cron)';
+
+CREATE FUNCTION idempotency.idem_stats_counters(OUT claims bigint,
+												OUT replays bigint,
+												OUT conflicts bigint,
+												OUT mismatches bigint,
+												OUT takeovers bigint,
+												OUT released bigint,
+												OUT purged bigint,
+												OUT published bigint,
+												OUT publish_failures bigint,
+												OUT worker_last_round timestamptz,
+												OUT worker_pid integer)
+RETURNS SETOF record
+AS 'MODULE_PATHNAME', 'idem_stats_counters'
+LANGUAGE C VOLATILE PARALLEL SAFE ROWS 1;
+
+COMMENT ON FUNCTION idempotency.idem_stats_counters() IS
+	'this database''s cumulative counters and worker state, from shared memory (no row without shared_preload_libraries)';
+
+/*
+ * One row: the state of the tables (counted now, so reading the view scans
+ * them) and the cumulative counters since the server started.
+ */
+CREATE VIEW idempotency.stats AS
+SELECT
+	(SELECT count(*) FROM idempotency.keys
+	 WHERE status_code IS NULL AND expires_at > now()) AS keys_in_progress,
+	(SELECT count(*) FROM idempotency.keys
+	 WHERE status_code IS NOT NULL AND expires_at > now()) AS keys_completed,
+	(SELECT count(*) FROM idempotency.keys WHERE expires_at <= now()) AS keys_expired,
+	(SELECT count(*) FROM idempotency.processed_events WHERE expires_at > now()) AS events,
+	(SELECT count(*) FROM idempotency.processed_events WHERE expires_at <= now()) AS events_expired,
+	(SELECT count(*) FROM idempotency.outbox
+	 WHERE state IN ('pending', 'leased')) AS outbox_pending,
+	(SELECT count(*) FROM idempotency.outbox WHERE state = 'dead') AS outbox_dead,
+	(SELECT now() - min(created_at) FROM idempotency.outbox
+	 WHERE state = 'pending' AND available_at <= now()) AS publish_lag,
+	c.worker_pid,
+	c.worker_last_round,
+	c.claims,
+	c.replays,
+	c.conflicts,
+	c.mismatches,
+	c.takeovers,
+	c.released,
+	c.purged,
+	c.published,
+	c.publish_failures
+FROM (VALUES (1)) AS one (x)
+LEFT JOIN idempotency.idem_stats_counters() AS c ON true;
+
+COMMENT ON VIEW idempotency.stats IS
+	'keys by state, events, outbox pending/dead, publish lag, the worker''s last round, and cumulative counters';
+
+CREATE FUNCTION idempotency._warn_without_preload()
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_warn_without_preload'
+LANGUAGE C;
+SELECT idempotency._warn_without_preload();
+DROP FUNCTION idempotency._warn_without_preload();
+
+/* ---------------------------------------------------------------------
  * Privileges: nothing for PUBLIC.
  * ---------------------------------------------------------------------
  */

@@ -22,6 +22,7 @@ cleanup() {
 	rm -rf "$dir"
 }
 trap cleanup EXIT
+trap 'exit 1' INT TERM HUP PIPE
 
 # a port nobody listens on
 port=$((20000 + RANDOM % 20000))

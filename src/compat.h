@@ -53,6 +53,25 @@ typedef bool CompatUpdateIndexes;
 #endif
 
 /*
+ * ProcessUtility_hook gained readOnlyTree in 14.
+ */
+#if PG_VERSION_NUM >= 140000
+#define COMPAT_PROCESS_UTILITY_ARGS \
+	PlannedStmt *pstmt, const char *queryString, bool readOnlyTree, \
+	ProcessUtilityContext context, ParamListInfo params, \
+	QueryEnvironment *queryEnv, DestReceiver *dest, QueryCompletion *qc
+#define COMPAT_PROCESS_UTILITY_CALL \
+	pstmt, queryString, readOnlyTree, context, params, queryEnv, dest, qc
+#else
+#define COMPAT_PROCESS_UTILITY_ARGS \
+	PlannedStmt *pstmt, const char *queryString, \
+	ProcessUtilityContext context, ParamListInfo params, \
+	QueryEnvironment *queryEnv, DestReceiver *dest, QueryCompletion *qc
+#define COMPAT_PROCESS_UTILITY_CALL \
+	pstmt, queryString, context, params, queryEnv, dest, qc
+#endif
+
+/*
  * Privilege checks on one object went through per-kind functions up to 15
  * and object_aclcheck() from 16.
  */

@@ -29,6 +29,11 @@ int			idem_outbox_backoff_min_ms = 1000;
 int			idem_outbox_backoff_max_ms = 5 * 60 * 1000;
 int			idem_outbox_max_attempts = 10;
 int			idem_outbox_retention_s = 0;
+int			idem_naptime_ms = 1000;
+int			idem_purge_batch_size = 5000;
+int			idem_publish_batch_size = 32;
+char	   *idem_databases = NULL;
+int			idem_max_databases = 32;
 
 static char *release_statuses_string = NULL;
 
@@ -261,6 +266,62 @@ idem_define_gucs(void)
 							0, 0, INT_MAX,
 							PGC_SUSET,
 							GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.naptime",
+							"How long the background worker sleeps between rounds.",
+							"A commit that enqueued an outbox row wakes the worker "
+							"at once; otherwise it runs a round this often.",
+							&idem_naptime_ms,
+							1000, 10, 24 * 60 * 60 * 1000,
+							PGC_SIGHUP,
+							GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.purge_batch_size",
+							"Rows the background worker purges per transaction.",
+							"Expired keys, processed events past retention and "
+							"published outbox rows are deleted in batches of at "
+							"most this many rows, each batch in a transaction of "
+							"its own, so that no lock is held for long.",
+							&idem_purge_batch_size,
+							5000, 1, 1000000,
+							PGC_SIGHUP,
+							0,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.publish_batch_size",
+							"Outbox rows the background worker publishes per transaction.",
+							"Each row is published in a subtransaction of its own; "
+							"keep this below 64 so that the batch's subtransactions "
+							"stay within the per-backend cache other sessions' "
+							"snapshots rely on.",
+							&idem_publish_batch_size,
+							32, 1, 10000,
+							PGC_SIGHUP,
+							0,
+							NULL, NULL, NULL);
+
+	DefineCustomStringVariable("idempotency.databases",
+							   "Databases the background worker serves (empty: all).",
+							   "A comma-separated list of database names.  Empty "
+							   "means every database where the extension is installed.",
+							   &idem_databases,
+							   "",
+							   PGC_SIGHUP,
+							   GUC_LIST_INPUT,
+							   NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.max_databases",
+							"Databases the background workers can serve at once.",
+							"Each served database takes one background worker "
+							"process, out of max_worker_processes, besides the "
+							"launcher's own.  Also the number of databases whose "
+							"counters idempotency.stats can keep.",
+							&idem_max_databases,
+							32, 1, 1024,
+							PGC_POSTMASTER,
+							0,
 							NULL, NULL, NULL);
 
 	MarkGUCPrefixReserved("idempotency");

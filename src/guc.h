@@ -29,6 +29,13 @@ extern int	idem_outbox_max_attempts;
 /* idempotency.outbox_retention, in seconds (0: delete when published) */
 extern int	idem_outbox_retention_s;
 
+/* The background worker's settings. */
+extern int	idem_naptime_ms;
+extern int	idem_purge_batch_size;
+extern int	idem_publish_batch_size;
+extern char *idem_databases;
+extern int	idem_max_databases;
+
 extern void idem_define_gucs(void);
 
 /* Is this HTTP status transient (released, not stored)?  See release_statuses. */

@@ -17,15 +17,28 @@
 
 #include "guc.h"
 #include "idempotency.h"
+#include "shmem.h"
+#include "worker.h"
 
 PG_MODULE_MAGIC;
 
 void		_PG_init(void);
 
+/*
+ * Define the settings; and, when loaded through shared_preload_libraries,
+ * ask for shared memory and register the launcher (which would do nothing
+ * during pg_upgrade, where no worker may write).
+ */
 void
 _PG_init(void)
 {
 	idem_define_gucs();
+
+	if (!process_shared_preload_libraries_in_progress)
+		return;
+	idem_shmem_register();
+	if (!IsBinaryUpgrade)
+		idem_register_launcher();
 }
 
 /*

@@ -44,6 +44,7 @@
 #include "utils/timestamp.h"
 
 #include "guc.h"
+#include "shmem.h"
 #include "idempotency.h"
 #include "tables.h"
 
@@ -131,6 +132,26 @@ claim_result_desc(FunctionCallInfo fcinfo)
 	return (TupleDesc) fcinfo->flinfo->fn_extra;
 }
 
+/* Bump the cumulative counter of an outcome (see idempotency.stats). */
+static void
+count_outcome(const char *outcome)
+{
+	static const struct
+	{
+		const char *outcome;
+		IdemCounter counter;
+	}			counters[] = {
+		{"claimed", IDEM_COUNTER_CLAIMS},
+		{"replay", IDEM_COUNTER_REPLAYS},
+		{"in_progress", IDEM_COUNTER_CONFLICTS},
+		{"mismatch", IDEM_COUNTER_MISMATCHES},
+	};
+
+	for (size_t i = 0; i < lengthof(counters); i++)
+		if (strcmp(outcome, counters[i].outcome) == 0)
+			idem_count(counters[i].counter, 1);
+}
+
 /*
  * Build the claim_result: the outcome, and for every outcome but "claimed"
  * of a new key, what the stored row says.
@@ -143,6 +164,7 @@ claim_result(FunctionCallInfo fcinfo, const char *outcome, const KeyRow *row)
 	bool		nulls[RESULT_NATTS];
 
 	memset(nulls, true, sizeof(nulls));
+	count_outcome(outcome);
 	values[RESULT_OUTCOME] = CStringGetTextDatum(outcome);
 	nulls[RESULT_OUTCOME] = false;
 
@@ -345,6 +367,8 @@ idem_claim(PG_FUNCTION_ARGS)
 		tm = idem_update(&rel, &found.tid, row.values, row.nulls, false);
 		if (tm == TM_Ok)
 		{
+			if (decision == CLAIM_TAKE_OVER)
+				idem_count(IDEM_COUNTER_TAKEOVERS, 1);
 			result = claim_result(fcinfo, "claimed", &row);
 			break;
 		}
@@ -523,6 +547,8 @@ idem_complete(PG_FUNCTION_ARGS)
 	completion.released = idem_status_is_released(completion.status_code);
 
 	change_claim("idem_complete()", fcinfo, 5, complete_row, &completion);
+	if (completion.released)
+		idem_count(IDEM_COUNTER_RELEASED, 1);
 
 	PG_RETURN_TEXT_P(cstring_to_text(completion.released ? "released" : "stored"));
 }
@@ -543,6 +569,7 @@ Datum
 idem_release(PG_FUNCTION_ARGS)
 {
 	change_claim("idem_release()", fcinfo, 2, release_row, NULL);
+	idem_count(IDEM_COUNTER_RELEASED, 1);
 	PG_RETURN_BOOL(true);
 }
 

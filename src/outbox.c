@@ -32,7 +32,9 @@
 #include <ctype.h>
 
 #include "access/htup_details.h"
+#include "access/xact.h"
 #include "catalog/namespace.h"
+#include "commands/async.h"
 #include "catalog/pg_proc.h"
 #include "catalog/pg_type.h"
 #include "common/hashfn.h"
@@ -42,10 +44,12 @@
 #include "storage/lmgr.h"
 #include "utils/acl.h"
 #include "utils/array.h"
+#include "utils/datum.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/jsonb.h"
 #include "utils/lsyscache.h"
+#include "utils/memutils.h"
 #include "utils/regproc.h"
 #include "utils/syscache.h"
 #include "utils/timestamp.h"
@@ -55,6 +59,7 @@
 #include "guc.h"
 #include "idempotency.h"
 #include "outbox.h"
+#include "shmem.h"
 #include "tables.h"
 
 PG_FUNCTION_INFO_V1(idem_outbox_enqueue);
@@ -96,6 +101,11 @@ typedef enum OutboxStatement
 	STMT_REQUEUE,
 	STMT_DISCARD,
 	STMT_ROUTE,
+	STMT_PUBLISH_CANDIDATES,
+	STMT_MARK_PUBLISHED_DELETE,
+	STMT_MARK_PUBLISHED_KEEP,
+	STMT_PUBLISH_FAILED,
+	STMT_PURGE_PUBLISHED,
 	NUM_STATEMENTS
 } OutboxStatement;
 
@@ -105,6 +115,18 @@ typedef struct StatementDef
 	int			nargs;
 	Oid			argtypes[6];
 } StatementDef;
+
+/* Columns of STMT_PUBLISH_CANDIDATES. */
+enum
+{
+	CANDIDATE_EVENT = 1,
+	CANDIDATE_ID,
+	CANDIDATE_TARGET,
+	CANDIDATE_DESTINATION,
+	CANDIDATE_MESSAGE,
+	CANDIDATE_REFERENCE,
+	CANDIDATE_PREVIOUS_ID
+};
 
 static const StatementDef statements[NUM_STATEMENTS] = {
 	[STMT_ENQUEUE] = {
@@ -180,6 +202,65 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		" ON CONFLICT (topic) DO UPDATE"
 		" SET target = excluded.target, destination = excluded.destination",
 		3, {TEXTOID, TEXTOID, TEXTOID}
+	},
+
+	/*
+	 * The background worker's next batch: ready rows of routed topics, oldest
+	 * first, each with its route, its message (the row as JSON, and a short
+	 * reference for NOTIFY payloads that would be too long), and the id of
+	 * the unpublished row of its key just before it, if any.  A row goes out
+	 * only if that one is gone or was published earlier in the same batch:
+	 * that is what keeps a key in order even when another transaction holds
+	 * one of its rows (SKIP LOCKED then leaves it out, and its successors
+	 * wait).  $1 now, $2 batch size.
+	 */
+	[STMT_PUBLISH_CANDIDATES] = {
+		"SELECT o AS event, o.id, r.target, r.destination,"
+		"       json_build_object('id', o.id, 'topic', o.topic, 'key', o.key,"
+		"                         'payload', o.payload, 'headers', o.headers,"
+		"                         'created_at', o.created_at)::text AS message,"
+		"       json_build_object('id', o.id, 'topic', o.topic, 'key', o.key,"
+		"                         'truncated', true)::text AS reference,"
+		"       (SELECT max(e.id) FROM idempotency.outbox e"
+		"        WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id"
+		"          AND e.state <> 'published') AS previous_id"
+		" FROM idempotency.outbox o"
+		" CROSS JOIN LATERAL (SELECT rt.target, rt.destination FROM idempotency.outbox_routes rt"
+		"                     WHERE rt.topic = o.topic OR rt.topic = '*'"
+		"                     ORDER BY rt.topic = '*' LIMIT 1) r"
+		" WHERE o.state = 'pending' AND o.available_at <= $1 AND r.target <> 'none'"
+		" ORDER BY o.id LIMIT $2"
+		" FOR UPDATE OF o SKIP LOCKED",
+		2, {TIMESTAMPTZOID, INT4OID}
+	},
+	[STMT_MARK_PUBLISHED_DELETE] = {
+		"DELETE FROM idempotency.outbox WHERE id = ANY ($1)",
+		1, {INT8ARRAYOID}
+	},
+	[STMT_MARK_PUBLISHED_KEEP] = {
+		"UPDATE idempotency.outbox"
+		" SET state = 'published', published_at = $2, attempts = attempts + 1"
+		" WHERE id = ANY ($1)",
+		2, {INT8ARRAYOID, TIMESTAMPTZOID}
+	},
+	/* $1 id, $2 error, $3 now, $4 max attempts, $5 backoff min, $6 backoff max */
+	[STMT_PUBLISH_FAILED] = {
+		"UPDATE idempotency.outbox"
+		" SET attempts = attempts + 1,"
+		"     state = CASE WHEN attempts + 1 >= $4 THEN 'dead' ELSE 'pending' END,"
+		"     last_error = $2,"
+		"     available_at = $3 + make_interval(secs => "
+		BACKOFF_MS_SQL("(attempts + 1)", "$5", "$6") " / 1000.0)"
+		" WHERE id = $1",
+		6, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID}
+	},
+	/* $1 published before, $2 batch size */
+	[STMT_PURGE_PUBLISHED] = {
+		"DELETE FROM idempotency.outbox WHERE id IN ("
+		"  SELECT id FROM idempotency.outbox"
+		"  WHERE state = 'published' AND published_at <= $1"
+		"  ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)",
+		2, {TIMESTAMPTZOID, INT4OID}
 	},
 };
 
@@ -303,6 +384,7 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 
 	outbox_sql_begin(&context);
 	outbox_sql_run(STMT_ENQUEUE, values, nulls);
+	idem_wake_worker_at_commit();
 	id = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull));
 	outbox_sql_end(&context);
 
@@ -592,4 +674,263 @@ idem_outbox_discard(PG_FUNCTION_ARGS)
 
 	values[0] = Int64GetDatum(arg_row_id(fcinfo));
 	PG_RETURN_BOOL(change_one_row(STMT_DISCARD, values, NULL, "idem_outbox_discard()"));
+}
+
+/*
+ * ---------------------------------------------------------------------
+ * Publishing, for the background worker and idem_run_maintenance()
+ * ---------------------------------------------------------------------
+ */
+
+/* A NOTIFY payload must be shorter than 8000 bytes. */
+#define NOTIFY_PAYLOAD_LIMIT	7999
+
+/* One candidate row, copied out of SPI's result before more SQL runs. */
+typedef struct Candidate
+{
+	int64		id;
+	Datum		event;			/* the row, as an idempotency.outbox composite */
+	char	   *target;
+	char	   *destination;
+	char	   *message;
+	char	   *reference;
+	bool		has_previous;
+	int64		previous_id;
+} Candidate;
+
+static char *
+candidate_text(HeapTuple tuple, TupleDesc desc, int column)
+{
+	char	   *value = SPI_getvalue(tuple, desc, column);
+
+	return value != NULL ? pstrdup(value) : NULL;
+}
+
+static bool
+published_earlier(const int64 *published, int npublished, int64 id)
+{
+	for (int i = 0; i < npublished; i++)
+		if (published[i] == id)
+			return true;
+	return false;
+}
+
+/*
+ * Call a route's function with the row, as the function's owner, with the
+ * restrictions of a maintenance operation: the worker runs as the extension's
+ * owner, and the function is the user's code.
+ */
+static void
+call_route_function(const char *signature, Datum event)
+{
+	Oid			funcoid = DatumGetObjectId(DirectFunctionCall1(regprocedurein,
+															   CStringGetDatum(signature)));
+	HeapTuple	proctup = SearchSysCache1(PROCOID, ObjectIdGetDatum(funcoid));
+	Oid			owner;
+	Oid			saved_userid;
+	int			saved_sec_context;
+	int			guc_nest_level;
+	FmgrInfo	flinfo;
+	LOCAL_FCINFO(fcinfo, 1);
+
+	if (!HeapTupleIsValid(proctup))
+		elog(ERROR, "cache lookup failed for function %u", funcoid);
+	owner = ((Form_pg_proc) GETSTRUCT(proctup))->proowner;
+	ReleaseSysCache(proctup);
+
+	/*
+	 * The user's function sees the database's own search_path, not the
+	 * pinned one our statements run under.
+	 */
+	GetUserIdAndSecContext(&saved_userid, &saved_sec_context);
+	SetUserIdAndSecContext(owner, saved_sec_context |
+						   SECURITY_LOCAL_USERID_CHANGE | SECURITY_RESTRICTED_OPERATION);
+	guc_nest_level = NewGUCNestLevel();
+	(void) set_config_option("search_path", GetConfigOptionResetString("search_path"),
+							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
+							 true, 0, false);
+	fmgr_info(funcoid, &flinfo);
+	InitFunctionCallInfoData(*fcinfo, &flinfo, 1, InvalidOid, NULL, NULL);
+	fcinfo->args[0].value = event;
+	fcinfo->args[0].isnull = false;
+	(void) FunctionCallInvoke(fcinfo);	/* its result, NULL or not, is ignored */
+	AtEOXact_GUC(true, guc_nest_level);
+	SetUserIdAndSecContext(saved_userid, saved_sec_context);
+}
+
+static void
+publish_one(const Candidate *candidate)
+{
+	if (strcmp(candidate->target, "notify") == 0)
+		Async_Notify(candidate->destination,
+					 strlen(candidate->message) <= NOTIFY_PAYLOAD_LIMIT ?
+					 candidate->message : candidate->reference);
+	else if (strcmp(candidate->target, "logical") == 0)
+		(void) DirectFunctionCall3(pg_logical_emit_message_text,
+								   BoolGetDatum(true),
+								   CStringGetTextDatum(candidate->destination),
+								   CStringGetTextDatum(candidate->message));
+	else if (strcmp(candidate->target, "function") == 0)
+		call_route_function(candidate->destination, candidate->event);
+	else
+		elog(ERROR, "unknown outbox route target \"%s\"", candidate->target);
+}
+
+/*
+ * Try to publish one row inside a subtransaction, so that a failure (an
+ * ERROR in the user's function, most likely) undoes only this row's attempt.
+ * Returns NULL on success, or the error message.
+ */
+static char *
+try_publish(const Candidate *candidate, MemoryContext keep)
+{
+	MemoryContext caller = CurrentMemoryContext;
+	ResourceOwner owner = CurrentResourceOwner;
+	char	   *volatile error = NULL;
+
+	BeginInternalSubTransaction(NULL);
+	MemoryContextSwitchTo(caller);
+	PG_TRY();
+	{
+		publish_one(candidate);
+		ReleaseCurrentSubTransaction();
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(keep);
+		edata = CopyErrorData();
+		FlushErrorState();
+		RollbackAndReleaseCurrentSubTransaction();
+		error = edata->message;
+	}
+	PG_END_TRY();
+	MemoryContextSwitchTo(caller);
+	CurrentResourceOwner = owner;
+	return error;
+}
+
+/*
+ * Publish up to limit ready rows, in the current transaction: each row's
+ * publication (NOTIFY, logical message, or the function's work) commits
+ * together with the row's removal or its "published" mark, so that it
+ * happens exactly once even if the server stops in between.  Rows whose
+ * route fails are retried later with backoff, and held back with the rest of
+ * their key.  Returns the number of candidates looked at (limit means there
+ * may be more); *published and *failed say what came of them.
+ */
+uint64
+outbox_publish_batch(TimestampTz now, int limit, uint64 *published_count,
+					 uint64 *failed_count)
+{
+	MemoryContext batch_context = CurrentMemoryContext;
+	OutboxSqlContext context;
+	Datum		values[6];
+	char		nulls[6] = {' ', ' ', ' ', ' ', ' ', ' '};
+	Candidate  *candidates;
+	int64	   *published;
+	int			npublished = 0;
+	uint64		ncandidates;
+
+	*published_count = *failed_count = 0;
+	outbox_sql_begin(&context);
+
+	values[0] = TimestampTzGetDatum(now);
+	values[1] = Int32GetDatum(limit);
+	ncandidates = outbox_sql_run(STMT_PUBLISH_CANDIDATES, values, NULL);
+
+	candidates = MemoryContextAlloc(batch_context, sizeof(Candidate) * Max(ncandidates, 1));
+	published = MemoryContextAlloc(batch_context, sizeof(int64) * Max(ncandidates, 1));
+	for (uint64 i = 0; i < ncandidates; i++)
+	{
+		HeapTuple	tuple = SPI_tuptable->vals[i];
+		TupleDesc	desc = SPI_tuptable->tupdesc;
+		Candidate  *candidate = &candidates[i];
+		MemoryContext spi_context = MemoryContextSwitchTo(batch_context);
+		bool		isnull;
+
+		candidate->event = datumCopy(SPI_getbinval(tuple, desc, CANDIDATE_EVENT, &isnull),
+									 false, -1);
+		candidate->id = DatumGetInt64(SPI_getbinval(tuple, desc, CANDIDATE_ID, &isnull));
+		candidate->target = candidate_text(tuple, desc, CANDIDATE_TARGET);
+		candidate->destination = candidate_text(tuple, desc, CANDIDATE_DESTINATION);
+		candidate->message = candidate_text(tuple, desc, CANDIDATE_MESSAGE);
+		candidate->reference = candidate_text(tuple, desc, CANDIDATE_REFERENCE);
+		candidate->previous_id = DatumGetInt64(SPI_getbinval(tuple, desc, CANDIDATE_PREVIOUS_ID,
+															  &isnull));
+		candidate->has_previous = !isnull;
+		MemoryContextSwitchTo(spi_context);
+	}
+
+	for (uint64 i = 0; i < ncandidates; i++)
+	{
+		Candidate  *candidate = &candidates[i];
+		char	   *error;
+
+		CHECK_FOR_INTERRUPTS();
+
+		/* an earlier row of its key is still unpublished: it waits */
+		if (candidate->has_previous &&
+			!published_earlier(published, npublished, candidate->previous_id))
+			continue;
+
+		error = try_publish(candidate, batch_context);
+		if (error == NULL)
+		{
+			published[npublished++] = candidate->id;
+			continue;
+		}
+
+		ereport(LOG,
+				(errmsg("idempotency: outbox row %lld could not be published to %s \"%s\": %s",
+						(long long) candidate->id, candidate->target,
+						candidate->destination, error)));
+		values[0] = Int64GetDatum(candidate->id);
+		values[1] = CStringGetTextDatum(error);
+		values[2] = TimestampTzGetDatum(now);
+		values[3] = Int32GetDatum(idem_outbox_max_attempts);
+		values[4] = Int32GetDatum(idem_outbox_backoff_min_ms);
+		values[5] = Int32GetDatum(Max(idem_outbox_backoff_min_ms, idem_outbox_backoff_max_ms));
+		outbox_sql_run(STMT_PUBLISH_FAILED, values, nulls);
+		(*failed_count)++;
+	}
+
+	if (npublished > 0)
+	{
+		Datum	   *ids = palloc(sizeof(Datum) * npublished);
+
+		for (int i = 0; i < npublished; i++)
+			ids[i] = Int64GetDatum(published[i]);
+		values[0] = PointerGetDatum(construct_array(ids, npublished, INT8OID,
+													sizeof(int64), FLOAT8PASSBYVAL,
+													TYPALIGN_DOUBLE));
+		values[1] = TimestampTzGetDatum(now);
+		outbox_sql_run(idem_outbox_retention_s == 0 ?
+					   STMT_MARK_PUBLISHED_DELETE : STMT_MARK_PUBLISHED_KEEP,
+					   values, NULL);
+	}
+
+	outbox_sql_end(&context);
+	*published_count = npublished;
+	return ncandidates;
+}
+
+/*
+ * Delete up to limit published rows older than idempotency.outbox_retention.
+ */
+uint64
+outbox_purge_published(TimestampTz now, int limit)
+{
+	OutboxSqlContext context;
+	Datum		values[2];
+	uint64		deleted;
+
+	values[0] = TimestampTzGetDatum(TimestampTzPlusMilliseconds(now,
+																-(int64) idem_outbox_retention_s * 1000));
+	values[1] = Int32GetDatum(limit);
+	outbox_sql_begin(&context);
+	deleted = outbox_sql_run(STMT_PURGE_PUBLISHED, values, NULL);
+	outbox_sql_end(&context);
+	return deleted;
 }

@@ -34,6 +34,8 @@
 #include "catalog/namespace.h"
 #include "catalog/pg_type.h"
 #include "executor/tuptable.h"
+#include "miscadmin.h"
+#include "storage/bufmgr.h"
 #include "storage/lmgr.h"
 #include "utils/fmgroids.h"
 #include "utils/inval.h"
@@ -64,6 +66,7 @@ typedef struct ExpectedTable
 	const ExpectedColumn *columns;
 	int			npkey;
 	const Oid  *pkey_eq;
+	AttrNumber	expires_column; /* rows past this instant are purged */
 } ExpectedTable;
 
 static const ExpectedColumn keys_columns[Natts_keys] = {
@@ -93,8 +96,10 @@ static const ExpectedColumn events_columns[Natts_events] = {
 };
 
 static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
-	[IDEM_TABLE_KEYS] = {"keys", Natts_keys, keys_columns, 2, two_text_columns_eq},
-	[IDEM_TABLE_EVENTS] = {"processed_events", Natts_events, events_columns, 2, two_text_columns_eq},
+	[IDEM_TABLE_KEYS] = {"keys", Natts_keys, keys_columns, 2, two_text_columns_eq,
+	Anum_keys_expires_at},
+	[IDEM_TABLE_EVENTS] = {"processed_events", Natts_events, events_columns, 2, two_text_columns_eq,
+	Anum_events_expires_at},
 };
 
 /*
@@ -455,4 +460,63 @@ idem_delete(IdemRelation *rel, ItemPointer tid, bool wait)
 	if (result == TM_Ok)
 		CommandCounterIncrement();
 	return result;
+}
+
+/*
+ * Delete up to limit rows whose expires_at has passed, in one pass over the
+ * heap from *next_block.  The tables have no index on expires_at (it would
+ * make idem_complete's update non-HOT), so the purge walks the heap in
+ * order, batch after batch; *next_block is where the next batch starts, or
+ * InvalidBlockNumber once the pass reached the end.  A row that another
+ * transaction holds or has changed is left for the next pass.
+ */
+uint64
+idem_purge_expired(IdemTable table, TimestampTz now, int limit,
+				   BlockNumber *next_block)
+{
+	const ExpectedTable *def = &table_defs[table];
+	Relation	heap = table_open(lookup_table_oids(table)->relid, RowExclusiveLock);
+	TupleDesc	desc = RelationGetDescr(heap);
+	BlockNumber nblocks = RelationGetNumberOfBlocks(heap);
+	BlockNumber start = *next_block;
+	CommandId	cid = GetCurrentCommandId(true);
+	Snapshot	snapshot;
+	TableScanDesc scan;
+	HeapTuple	tuple;
+	uint64		deleted = 0;
+
+	*next_block = InvalidBlockNumber;
+	if (start == InvalidBlockNumber || start >= nblocks)
+		start = 0;
+	if (nblocks == 0)
+	{
+		table_close(heap, RowExclusiveLock);
+		return 0;
+	}
+
+	snapshot = RegisterSnapshot(GetTransactionSnapshot());
+	scan = table_beginscan(heap, snapshot, 0, NULL);
+	heap_setscanlimits(scan, start, nblocks - start);
+	while ((tuple = heap_getnext(scan, ForwardScanDirection)) != NULL)
+	{
+		bool		isnull;
+		Datum		expires_at = heap_getattr(tuple, def->expires_column, desc, &isnull);
+		TM_FailureData tmfd;
+
+		CHECK_FOR_INTERRUPTS();
+		if (isnull || DatumGetTimestampTz(expires_at) > now)
+			continue;
+		if (deleted >= (uint64) limit)
+		{
+			*next_block = ItemPointerGetBlockNumber(&tuple->t_self);
+			break;
+		}
+		if (table_tuple_delete(heap, &tuple->t_self, cid, snapshot, InvalidSnapshot,
+							   false, &tmfd, false) == TM_Ok)
+			deleted++;
+	}
+	table_endscan(scan);
+	UnregisterSnapshot(snapshot);
+	table_close(heap, RowExclusiveLock);
+	return deleted;
 }

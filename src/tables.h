@@ -11,6 +11,8 @@
 
 #include "access/htup.h"
 #include "access/tableam.h"
+#include "datatype/timestamp.h"
+#include "storage/block.h"
 #include "nodes/execnodes.h"
 #include "storage/lockdefs.h"
 #include "utils/relcache.h"
@@ -105,5 +107,8 @@ extern bool idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls);
 extern TM_Result idem_update(IdemRelation *rel, ItemPointer tid,
 							 Datum *values, bool *nulls, bool wait);
 extern TM_Result idem_delete(IdemRelation *rel, ItemPointer tid, bool wait);
+
+extern uint64 idem_purge_expired(IdemTable table, TimestampTz now, int limit,
+								 BlockNumber *next_block);
 
 #endif							/* IDEMPOTENCY_TABLES_H */

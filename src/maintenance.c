@@ -1,0 +1,124 @@
+/*-------------------------------------------------------------------------
+ *
+ * maintenance.c
+ *	  The background work, one bounded batch at a time, and
+ *	  idem_run_maintenance() for setups without the worker.
+ *
+ * Each batch runs in the caller's transaction: the worker gives every batch
+ * a transaction of its own, so that no batch holds its row locks for long,
+ * while idem_run_maintenance() runs one batch of each kind in the caller's.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/htup_details.h"
+#include "funcapi.h"
+#include "utils/timestamp.h"
+
+#include "guc.h"
+#include "idempotency.h"
+#include "maintenance.h"
+#include "outbox.h"
+#include "shmem.h"
+#include "tables.h"
+
+PG_FUNCTION_INFO_V1(idem_run_maintenance);
+
+const char *const maintenance_unit_names[NUM_MAINTENANCE_UNITS] = {
+	[UNIT_PURGE_KEYS] = "purging expired keys",
+	[UNIT_PURGE_EVENTS] = "purging processed events past retention",
+	[UNIT_PURGE_OUTBOX] = "purging published outbox rows",
+	[UNIT_PUBLISH] = "publishing outbox rows",
+};
+
+void
+maintenance_cursor_init(MaintenanceCursor *cursor)
+{
+	for (int unit = 0; unit < NUM_MAINTENANCE_UNITS; unit++)
+		cursor->next_block[unit] = InvalidBlockNumber;
+}
+
+/*
+ * Run one batch of a unit in the current transaction, add what it did to
+ * counts and to the cumulative counters, and say whether another batch has
+ * work to do.
+ */
+bool
+maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
+				  MaintenanceCounts *counts)
+{
+	TimestampTz now = GetCurrentTimestamp();
+	uint64		done = 0;
+	bool		more = false;
+
+	switch (unit)
+	{
+		case UNIT_PURGE_KEYS:
+		case UNIT_PURGE_EVENTS:
+			done = idem_purge_expired(unit == UNIT_PURGE_KEYS ?
+									  IDEM_TABLE_KEYS : IDEM_TABLE_EVENTS,
+									  now, idem_purge_batch_size,
+									  &cursor->next_block[unit]);
+			more = cursor->next_block[unit] != InvalidBlockNumber;
+			break;
+		case UNIT_PURGE_OUTBOX:
+			done = outbox_purge_published(now, idem_purge_batch_size);
+			more = done == (uint64) idem_purge_batch_size;
+			break;
+		case UNIT_PUBLISH:
+			{
+				uint64		published;
+				uint64		failed;
+				uint64		looked_at;
+
+				looked_at = outbox_publish_batch(now, idem_publish_batch_size,
+												 &published, &failed);
+				counts->published += published;
+				counts->publish_failures += failed;
+				idem_count(IDEM_COUNTER_PUBLISHED, published);
+				idem_count(IDEM_COUNTER_PUBLISH_FAILURES, failed);
+				more = looked_at == (uint64) idem_publish_batch_size && published > 0;
+				return more;
+			}
+		case NUM_MAINTENANCE_UNITS:
+			break;
+	}
+	counts->purged[unit] += done;
+	idem_count(IDEM_COUNTER_PURGED, done);
+	return more;
+}
+
+/*
+ * idem_run_maintenance() -> (purged_keys, purged_events, purged_outbox,
+ *							   published, publish_failures)
+ *
+ * One batch of each kind of the worker's work, in the caller's transaction:
+ * for setups where shared_preload_libraries cannot be set, called by pg_cron
+ * or any scheduler.
+ */
+Datum
+idem_run_maintenance(PG_FUNCTION_ARGS)
+{
+	MaintenanceCursor cursor;
+	MaintenanceCounts counts;
+	TupleDesc	desc;
+	Datum		values[5];
+	bool		nulls[5] = {false};
+
+	idem_require_writable("idem_run_maintenance()");
+	if (get_call_result_type(fcinfo, NULL, &desc) != TYPEFUNC_COMPOSITE)
+		elog(ERROR, "idem_run_maintenance must return a composite type");
+
+	memset(&counts, 0, sizeof(counts));
+	maintenance_cursor_init(&cursor);
+	for (int unit = 0; unit < NUM_MAINTENANCE_UNITS; unit++)
+		(void) maintenance_batch((MaintenanceUnit) unit, &cursor, &counts);
+
+	values[0] = Int64GetDatum((int64) counts.purged[UNIT_PURGE_KEYS]);
+	values[1] = Int64GetDatum((int64) counts.purged[UNIT_PURGE_EVENTS]);
+	values[2] = Int64GetDatum((int64) counts.purged[UNIT_PURGE_OUTBOX]);
+	values[3] = Int64GetDatum((int64) counts.published);
+	values[4] = Int64GetDatum((int64) counts.publish_failures);
+	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(BlessTupleDesc(desc), values, nulls)));
+}

@@ -1,0 +1,44 @@
+/*-------------------------------------------------------------------------
+ *
+ * maintenance.h
+ *	  One round of the background work: purge expired rows, publish ready
+ *	  outbox rows.  Shared by the worker and idem_run_maintenance().
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEMPOTENCY_MAINTENANCE_H
+#define IDEMPOTENCY_MAINTENANCE_H
+
+#include "storage/block.h"
+
+/* The kinds of work, each done in bounded batches. */
+typedef enum MaintenanceUnit
+{
+	UNIT_PURGE_KEYS,
+	UNIT_PURGE_EVENTS,
+	UNIT_PURGE_OUTBOX,
+	UNIT_PUBLISH,
+	NUM_MAINTENANCE_UNITS
+} MaintenanceUnit;
+
+/* Where each purge's walk over its heap stands, between batches. */
+typedef struct MaintenanceCursor
+{
+	BlockNumber next_block[NUM_MAINTENANCE_UNITS];
+} MaintenanceCursor;
+
+/* What a batch did. */
+typedef struct MaintenanceCounts
+{
+	uint64		purged[NUM_MAINTENANCE_UNITS];
+	uint64		published;
+	uint64		publish_failures;
+} MaintenanceCounts;
+
+extern const char *const maintenance_unit_names[NUM_MAINTENANCE_UNITS];
+
+extern void maintenance_cursor_init(MaintenanceCursor *cursor);
+extern bool maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
+							  MaintenanceCounts *counts);
+
+#endif							/* IDEMPOTENCY_MAINTENANCE_H */

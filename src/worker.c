@@ -1,0 +1,530 @@
+/*-------------------------------------------------------------------------
+ *
+ * worker.c
+ *	  The background workers: a launcher that finds every database where
+ *	  the extension is installed, and one worker per such database that
+ *	  purges expired rows and publishes the outbox.
+ *
+ * States of a database, as the launcher sees them:
+ *
+ *	 unknown --start worker--> checking --extension found--> served
+ *	    ^                        |                            |
+ *	    |                        | no extension               | worker exits
+ *	    |                        v                            | (SIGTERM, crash,
+ *	    +--CREATE EXTENSION-- absent <---DROP EXTENSION-------+  error): started
+ *	                                                              again after a
+ *	                                                              delay
+ *
+ * The launcher connects to no database; it reads pg_database every second
+ * (so a database created after start is found without configuration) and
+ * starts a worker for each connectable, non-template database on the
+ * idempotency.databases allow-list that has none.  A worker that finds no
+ * extension says so in shared memory and exits; the launcher then leaves the
+ * database alone until a CREATE EXTENSION there tells it otherwise (see the
+ * utility hook in shmem.c).  Workers are dynamic background workers that are
+ * never restarted by the postmaster: the launcher restarts them, so that
+ * pg_terminate_backend() stops a worker but does not unregister it for good.
+ * The launcher itself is restarted by the postmaster.
+ *
+ * It starts once recovery has finished, so on a hot standby nothing runs
+ * until promotion.
+ *
+ * A worker's round: publish ready outbox rows, then purge expired keys,
+ * processed events past retention and published outbox rows past retention.
+ * Each batch is a transaction of its own; an ERROR in one is logged and the
+ * work is tried again next round, so one bad row never stops the worker.  A
+ * commit that enqueued an outbox row sets the worker's latch, so publishing
+ * starts within milliseconds; otherwise it sleeps idempotency.naptime.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include <signal.h>
+
+#include "access/heapam.h"
+#include "access/tableam.h"
+#include "access/htup_details.h"
+#include "access/table.h"
+#include "access/xact.h"
+#include "catalog/pg_database.h"
+#include "commands/dbcommands.h"
+#include "commands/extension.h"
+#include "miscadmin.h"
+#include "pgstat.h"
+#include "postmaster/bgworker.h"
+#include "postmaster/interrupt.h"
+#include "storage/ipc.h"
+#include "storage/latch.h"
+#include "storage/lwlock.h"
+#include "tcop/tcopprot.h"
+#include "utils/builtins.h"
+#include "utils/memutils.h"
+#include "utils/snapmgr.h"
+#include "utils/timestamp.h"
+#include "utils/varlena.h"
+
+#include "guc.h"
+#include "maintenance.h"
+#include "shmem.h"
+#include "worker.h"
+
+PGDLLEXPORT void idem_launcher_main(Datum main_arg);
+PGDLLEXPORT void idem_worker_main(Datum main_arg);
+
+/* How often the launcher looks at pg_database. */
+#define LAUNCHER_INTERVAL_MS	1000
+
+/* A worker that stopped on its own is started again after this, doubling. */
+#define RESTART_DELAY_MIN_MS	1000
+#define RESTART_DELAY_MAX_MS	60000
+
+/* A database the launcher knows about. */
+typedef struct KnownDatabase
+{
+	Oid			dboid;
+	char		name[NAMEDATALEN];
+	BackgroundWorkerHandle *handle; /* the worker we started, if any */
+	TimestampTz started_at;
+	TimestampTz restart_after;	/* not before: it stopped recently */
+	int			restart_delay_ms;
+	bool		present;		/* in the latest look at pg_database */
+	bool		warned;			/* we said we cannot serve it */
+} KnownDatabase;
+
+static List *known_databases = NIL;
+
+void
+idem_register_launcher(void)
+{
+	BackgroundWorker worker;
+
+	memset(&worker, 0, sizeof(worker));
+	worker.bgw_flags = BGWORKER_SHMEM_ACCESS | BGWORKER_BACKEND_DATABASE_CONNECTION;
+	worker.bgw_start_time = BgWorkerStart_RecoveryFinished;
+	worker.bgw_restart_time = 5;
+	snprintf(worker.bgw_library_name, BGW_MAXLEN, "idempotency");
+	snprintf(worker.bgw_function_name, BGW_MAXLEN, "idem_launcher_main");
+	snprintf(worker.bgw_name, BGW_MAXLEN, "idempotency launcher");
+	snprintf(worker.bgw_type, BGW_MAXLEN, "idempotency launcher");
+	RegisterBackgroundWorker(&worker);
+}
+
+/* Is the database on idempotency.databases (or is the list empty)? */
+static bool
+database_allowed(const char *name)
+{
+	char	   *copy;
+	List	   *names;
+	ListCell   *lc;
+	bool		allowed = false;
+
+	if (idem_databases == NULL || idem_databases[0] == '\0')
+		return true;
+
+	copy = pstrdup(idem_databases);
+	if (!SplitIdentifierString(copy, ',', &names))
+	{
+		ereport(WARNING,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("idempotency.databases is not a list of database names: \"%s\"",
+						idem_databases),
+				 errhint("Separate the names with commas; quote a name that has commas or spaces.")));
+		return false;
+	}
+	foreach(lc, names)
+		allowed |= strcmp((char *) lfirst(lc), name) == 0;
+	list_free(names);
+	pfree(copy);
+	return allowed;
+}
+
+static KnownDatabase *
+known_database(Oid dboid)
+{
+	ListCell   *lc;
+
+	foreach(lc, known_databases)
+	{
+		KnownDatabase *db = (KnownDatabase *) lfirst(lc);
+
+		if (db->dboid == dboid)
+			return db;
+	}
+	return NULL;
+}
+
+/*
+ * Look at pg_database: mark every database the launcher should serve as
+ * present, adding those it did not know.  Template databases are never
+ * served, since a worker connected to one would make CREATE DATABASE fail.
+ */
+static void
+scan_databases(void)
+{
+	Relation	rel;
+	TableScanDesc scan;
+	HeapTuple	tuple;
+	ListCell   *lc;
+
+	foreach(lc, known_databases)
+		((KnownDatabase *) lfirst(lc))->present = false;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	pgstat_report_activity(STATE_RUNNING, "looking for databases");
+
+	rel = table_open(DatabaseRelationId, AccessShareLock);
+	scan = table_beginscan_catalog(rel, 0, NULL);
+	while ((tuple = heap_getnext(scan, ForwardScanDirection)) != NULL)
+	{
+		Form_pg_database pgdb = (Form_pg_database) GETSTRUCT(tuple);
+		KnownDatabase *db;
+
+		if (!pgdb->datallowconn || pgdb->datistemplate ||
+			!database_allowed(NameStr(pgdb->datname)))
+			continue;
+
+		db = known_database(pgdb->oid);
+		if (db == NULL)
+		{
+			MemoryContext oldcontext = MemoryContextSwitchTo(TopMemoryContext);
+
+			db = palloc0(sizeof(KnownDatabase));
+			db->dboid = pgdb->oid;
+			db->restart_delay_ms = RESTART_DELAY_MIN_MS;
+			known_databases = lappend(known_databases, db);
+			MemoryContextSwitchTo(oldcontext);
+		}
+		strlcpy(db->name, NameStr(pgdb->datname), NAMEDATALEN);
+		db->present = true;
+	}
+	table_endscan(scan);
+	table_close(rel, AccessShareLock);
+
+	PopActiveSnapshot();
+	CommitTransactionCommand();
+	pgstat_report_activity(STATE_IDLE, NULL);
+}
+
+static void
+start_worker(KnownDatabase *db, TimestampTz now)
+{
+	BackgroundWorker worker;
+
+	memset(&worker, 0, sizeof(worker));
+	worker.bgw_flags = BGWORKER_SHMEM_ACCESS | BGWORKER_BACKEND_DATABASE_CONNECTION;
+	worker.bgw_start_time = BgWorkerStart_RecoveryFinished;
+	worker.bgw_restart_time = BGW_NEVER_RESTART;
+	worker.bgw_main_arg = ObjectIdGetDatum(db->dboid);
+	worker.bgw_notify_pid = MyProcPid;
+	snprintf(worker.bgw_library_name, BGW_MAXLEN, "idempotency");
+	snprintf(worker.bgw_function_name, BGW_MAXLEN, "idem_worker_main");
+	snprintf(worker.bgw_name, BGW_MAXLEN, "idempotency worker for database %s", db->name);
+	snprintf(worker.bgw_type, BGW_MAXLEN, "idempotency worker %s", db->name);
+
+	if (!RegisterDynamicBackgroundWorker(&worker, &db->handle))
+	{
+		db->handle = NULL;
+		db->restart_after = TimestampTzPlusMilliseconds(now, RESTART_DELAY_MAX_MS);
+		ereport(WARNING,
+				(errmsg("idempotency: could not start a worker for database \"%s\"", db->name),
+				 errdetail("No background worker slot is free."),
+				 errhint("Raise max_worker_processes (now %d): the idempotency launcher takes one slot and each database it serves another.",
+						 max_worker_processes)));
+		return;
+	}
+	db->started_at = now;
+}
+
+/*
+ * One look at every known database: notice workers that stopped, start
+ * those that are wanted, and forget databases that are gone.
+ */
+static void
+tend_databases(void)
+{
+	TimestampTz now = GetCurrentTimestamp();
+	ListCell   *lc;
+
+	foreach(lc, known_databases)
+	{
+		KnownDatabase *db = (KnownDatabase *) lfirst(lc);
+		IdemDatabaseSlot *slot;
+		pid_t		pid;
+		bool		absent;
+		TimestampTz paused_until;
+		pid_t		worker_pid;
+
+		if (db->handle != NULL &&
+			GetBackgroundWorkerPid(db->handle, &pid) == BGWH_STOPPED)
+		{
+			pfree(db->handle);
+			db->handle = NULL;
+			/* a worker that ran a good while earns a prompt restart */
+			if (TimestampDifferenceExceeds(db->started_at, now, RESTART_DELAY_MAX_MS))
+				db->restart_delay_ms = RESTART_DELAY_MIN_MS;
+			db->restart_after = TimestampTzPlusMilliseconds(now, db->restart_delay_ms);
+			db->restart_delay_ms = Min(db->restart_delay_ms * 2, RESTART_DELAY_MAX_MS);
+		}
+
+		if (!db->present)
+		{
+			if (db->handle != NULL)
+				TerminateBackgroundWorker(db->handle);	/* taken off the allow-list */
+			continue;
+		}
+		if (db->handle != NULL)
+			continue;
+
+		slot = idem_database_slot(db->dboid, true);
+		if (slot == NULL)
+		{
+			if (!db->warned)
+				ereport(WARNING,
+						(errmsg("idempotency: database \"%s\" is not served", db->name),
+						 errdetail("All %d database slots are taken.", idem_max_databases_slots()),
+						 errhint("Raise idempotency.max_databases, or list the databases to serve in idempotency.databases.")));
+			db->warned = true;
+			continue;
+		}
+
+		LWLockAcquire(idem_shmem_lock(), LW_SHARED);
+		absent = slot->extension_absent;
+		paused_until = slot->paused_until;
+		worker_pid = slot->worker_pid;
+		LWLockRelease(idem_shmem_lock());
+
+		/*
+		 * A worker we have no handle for (the launcher restarted) still
+		 * serves the database; so does a database being dropped.
+		 */
+		if (absent || worker_pid != 0 || paused_until > now || db->restart_after > now)
+			continue;
+		start_worker(db, now);
+	}
+
+	/* forget databases that are gone, once their workers have stopped */
+	foreach(lc, known_databases)
+	{
+		KnownDatabase *db = (KnownDatabase *) lfirst(lc);
+
+		if (!db->present && db->handle == NULL)
+		{
+			idem_launcher_forget_database(db->dboid);
+			known_databases = foreach_delete_current(known_databases, lc);
+			pfree(db);
+		}
+	}
+}
+
+void
+idem_launcher_main(Datum main_arg)
+{
+	pqsignal(SIGHUP, SignalHandlerForConfigReload);
+	pqsignal(SIGTERM, die);
+	BackgroundWorkerUnblockSignals();
+
+	idem_launcher_attach();
+	BackgroundWorkerInitializeConnection(NULL, NULL, 0);
+	ereport(LOG, (errmsg("idempotency launcher started")));
+
+	for (;;)
+	{
+		CHECK_FOR_INTERRUPTS();
+		if (ConfigReloadPending)
+		{
+			ConfigReloadPending = false;
+			ProcessConfigFile(PGC_SIGHUP);
+		}
+
+		scan_databases();
+		tend_databases();
+
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 LAUNCHER_INTERVAL_MS, PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
+	}
+}
+
+/*
+ * ---------------------------------------------------------------------
+ * The per-database worker
+ * ---------------------------------------------------------------------
+ */
+
+static IdemDatabaseSlot *my_slot = NULL;
+static char *my_database_name = NULL;
+
+static void
+detach_worker(int code, Datum arg)
+{
+	LWLockAcquire(idem_shmem_lock(), LW_EXCLUSIVE);
+	if (my_slot->worker_pid == MyProcPid)
+	{
+		my_slot->worker_pid = 0;
+		my_slot->worker_latch = NULL;
+	}
+	LWLockRelease(idem_shmem_lock());
+}
+
+/* Every message of the worker says which database it serves. */
+static void
+worker_error_context(void *arg)
+{
+	if (my_database_name != NULL)
+		errcontext("idempotency worker for database \"%s\"", my_database_name);
+}
+
+/* Is the extension (still) installed here?  Also learns the database's name. */
+static bool
+extension_installed(void)
+{
+	bool		installed;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	if (my_database_name == NULL)
+		my_database_name = MemoryContextStrdup(TopMemoryContext,
+											   get_database_name(MyDatabaseId));
+	installed = OidIsValid(get_extension_oid("idempotency", true));
+	PopActiveSnapshot();
+	CommitTransactionCommand();
+	return installed;
+}
+
+/*
+ * One batch of one kind of work, in a transaction of its own.  An ERROR is
+ * reported and swallowed: the work is tried again next round.  Returns
+ * whether another batch has work to do.
+ */
+static bool
+run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
+{
+	MaintenanceCounts counts;
+	bool		more = false;
+
+	memset(&counts, 0, sizeof(counts));
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	pgstat_report_activity(STATE_RUNNING, maintenance_unit_names[unit]);
+
+	PG_TRY();
+	{
+		more = maintenance_batch(unit, cursor, &counts);
+		PopActiveSnapshot();
+		CommitTransactionCommand();
+	}
+	PG_CATCH();
+	{
+		HOLD_INTERRUPTS();
+		EmitErrorReport();
+		AbortCurrentTransaction();
+		FlushErrorState();
+		RESUME_INTERRUPTS();
+		more = false;
+	}
+	PG_END_TRY();
+
+	pgstat_report_activity(STATE_IDLE, NULL);
+	return more;
+}
+
+/* Publish until nothing is ready. */
+static void
+publish_all(MaintenanceCursor *cursor)
+{
+	while (run_batch(UNIT_PUBLISH, cursor))
+		CHECK_FOR_INTERRUPTS();
+}
+
+/*
+ * A round: publish, then purge each table to the end.  Between purge
+ * batches, a commit that enqueued events (our latch is set) gets its rows
+ * published first, so that a long purge does not delay them.
+ */
+static void
+run_round(MaintenanceCursor *cursor)
+{
+	publish_all(cursor);
+	for (int unit = UNIT_PURGE_KEYS; unit <= UNIT_PURGE_OUTBOX; unit++)
+	{
+		while (run_batch((MaintenanceUnit) unit, cursor))
+		{
+			CHECK_FOR_INTERRUPTS();
+			if (MyLatch->is_set)
+			{
+				ResetLatch(MyLatch);
+				publish_all(cursor);
+			}
+		}
+	}
+}
+
+void
+idem_worker_main(Datum main_arg)
+{
+	Oid			dboid = DatumGetObjectId(main_arg);
+	ErrorContextCallback error_context;
+	MaintenanceCursor cursor;
+
+	pqsignal(SIGHUP, SignalHandlerForConfigReload);
+	pqsignal(SIGTERM, die);
+	BackgroundWorkerUnblockSignals();
+
+	/* one worker per database: leave if another one already serves it */
+	my_slot = idem_database_slot(dboid, true);
+	if (my_slot == NULL)
+		proc_exit(0);
+	LWLockAcquire(idem_shmem_lock(), LW_EXCLUSIVE);
+	if (my_slot->worker_pid != 0 && kill(my_slot->worker_pid, 0) == 0)
+	{
+		LWLockRelease(idem_shmem_lock());
+		proc_exit(0);
+	}
+	my_slot->worker_pid = MyProcPid;
+	my_slot->worker_latch = MyLatch;
+	my_slot->extension_absent = false;
+	LWLockRelease(idem_shmem_lock());
+	before_shmem_exit(detach_worker, (Datum) 0);
+
+	BackgroundWorkerInitializeConnectionByOid(dboid, InvalidOid, 0);
+	pgstat_report_appname("idempotency worker");
+
+	error_context.callback = worker_error_context;
+	error_context.arg = NULL;
+	error_context.previous = error_context_stack;
+	error_context_stack = &error_context;
+
+	maintenance_cursor_init(&cursor);
+	for (;;)
+	{
+		CHECK_FOR_INTERRUPTS();
+		if (ConfigReloadPending)
+		{
+			ConfigReloadPending = false;
+			ProcessConfigFile(PGC_SIGHUP);
+		}
+
+		if (!extension_installed())
+		{
+			LWLockAcquire(idem_shmem_lock(), LW_EXCLUSIVE);
+			my_slot->extension_absent = true;
+			LWLockRelease(idem_shmem_lock());
+			proc_exit(0);
+		}
+
+		run_round(&cursor);
+
+		LWLockAcquire(idem_shmem_lock(), LW_EXCLUSIVE);
+		my_slot->last_round = GetCurrentTimestamp();
+		LWLockRelease(idem_shmem_lock());
+
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 idem_naptime_ms, PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
+	}
+}
