@@ -1,0 +1,157 @@
+# The background worker publishes the outbox: to NOTIFY, to logical
+# decoding, and to a function, in order per key and exactly once; a failing
+# function is retried with backoff and then dead while other topics flow; a
+# commit wakes the worker at once; SIGHUP changes its settings.
+
+use strict;
+use warnings;
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use Time::HiRes qw(usleep);
+
+my $node = PostgreSQL::Test::Cluster->new('publish');
+$node->init(allows_streaming => 'logical');
+$node->append_conf('postgresql.conf', qq{
+shared_preload_libraries = 'idempotency'
+idempotency.naptime = '10s'
+idempotency.outbox_backoff_min = '20ms'
+idempotency.outbox_backoff_max = '40ms'
+idempotency.outbox_max_attempts = 3
+});
+$node->start;
+
+$node->safe_psql('postgres', q{
+	CREATE EXTENSION idempotency;
+	CREATE TABLE sink (seq bigserial, id bigint, topic text, key text,
+	                   created_at timestamptz, published_at timestamptz);
+	CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE sql AS $$
+		INSERT INTO sink (id, topic, key, created_at, published_at)
+		VALUES (e.id, e.topic, e.key, e.created_at, clock_timestamp())
+	$$;
+	CREATE FUNCTION always_fails(e idempotency.outbox) RETURNS void LANGUAGE plpgsql AS $$
+	BEGIN
+		RAISE EXCEPTION 'downstream rejected event %', e.id;
+	END $$;
+	SELECT idempotency.idem_outbox_route('fast', 'function', 'sink_it');
+	SELECT idempotency.idem_outbox_route('ordered', 'function', 'sink_it');
+	SELECT idempotency.idem_outbox_route('bad', 'function', 'always_fails');
+	SELECT idempotency.idem_outbox_route('note', 'notify', 'idem_test');
+	SELECT idempotency.idem_outbox_route('events', 'logical', 'idem.test');
+	SELECT pg_create_logical_replication_slot('idem_slot', 'test_decoding');
+});
+
+$node->poll_query_until('postgres',
+	"SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'")
+  or die "the worker did not start";
+my $worker_pid = $node->safe_psql('postgres',
+	"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'");
+
+sub wait_published
+{
+	my ($topic) = @_;
+	$node->poll_query_until('postgres',
+		"SELECT count(*) = 0 FROM idempotency.outbox WHERE topic = '$topic' AND state <> 'published'")
+	  or die "rows of topic $topic were not published";
+}
+
+# --- commit to publish well before the naptime (10 s): the commit wakes it
+sleep(1);    # the worker has finished its first round and sleeps
+$node->safe_psql('postgres', "SELECT idempotency.idem_outbox_enqueue('fast', '{\"n\": 1}')");
+wait_published('fast');
+my $delay = $node->safe_psql('postgres',
+	"SELECT extract(epoch FROM published_at - created_at) FROM sink WHERE topic = 'fast'");
+cmp_ok($delay, '<', 1.0, "published ${delay}s after the enqueue, with naptime 10s");
+
+# --- function target: every row once, in id order per key, with concurrent enqueuers
+my $script = $node->basedir . '/enqueue.sql';
+append_to_file($script, q{
+SELECT idempotency.idem_outbox_enqueue('ordered', jsonb_build_object('client', :client_id),
+                                       'key-' || (random() * 3)::int);
+});
+$node->command_ok(
+	[ 'pgbench', '-n', '-c', 4, '-j', 4, '-t', 50, '-f', $script, 'postgres' ],
+	'4 sessions enqueue 200 rows on 4 keys');
+wait_published('ordered');
+is($node->safe_psql('postgres',
+		"SELECT count(*) || ' ' || count(DISTINCT id) FROM sink WHERE topic = 'ordered'"),
+	'200 200', 'the function received each of the 200 rows exactly once');
+is($node->safe_psql('postgres', q{
+		SELECT count(*) FROM (
+			SELECT id < lag(id) OVER (PARTITION BY key ORDER BY seq) AS out_of_order
+			FROM sink WHERE topic = 'ordered') s
+		WHERE out_of_order}),
+	'0', 'per key, rows reached the function in id order');
+
+# --- NOTIFY reaches a LISTEN session; a payload too large for NOTIFY sends a reference
+my $listener = $node->background_psql('postgres');
+$listener->query_safe('LISTEN idem_test');
+$node->safe_psql('postgres', q{
+	SELECT idempotency.idem_outbox_enqueue('note', '{"hello": "world"}', 'k1');
+	SELECT idempotency.idem_outbox_enqueue('note', jsonb_build_object('big', repeat('x', 9000)), 'k2');
+});
+wait_published('note');
+my $heard = '';
+for (1 .. 50)
+{
+	$heard .= $listener->query('SELECT 1');
+	last if $heard =~ /truncated/;
+	usleep(100_000);
+}
+like($heard, qr/Asynchronous notification "idem_test" with payload "\{"id" : \d+, "topic" : "note", "key" : "k1", "payload" : \{"hello": "world"\}/,
+	'the LISTEN session heard the row as JSON');
+like($heard, qr/Asynchronous notification "idem_test" with payload "\{"id" : \d+, "topic" : "note", "key" : "k2", "truncated" : true\}"/,
+	'an oversized row is announced by reference');
+$listener->quit;
+
+# --- logical decoding: exactly one message per published row
+$node->safe_psql('postgres', q{
+	SELECT idempotency.idem_outbox_enqueue('events', jsonb_build_object('n', n), 'k' || n % 2)
+	FROM generate_series(1, 10) n;
+});
+wait_published('events');
+my $changes = $node->safe_psql('postgres',
+	"SELECT data FROM pg_logical_slot_get_changes('idem_slot', NULL, NULL) WHERE data LIKE 'message:%prefix: idem.test%'");
+my @ids = ($changes =~ /"id" : (\d+)/g);
+is(scalar(@ids), 10, 'ten logical messages for ten rows');
+my %seen = map { $_ => 1 } @ids;
+is(scalar(keys %seen), 10, 'each row once');
+like($changes, qr/transactional: 1/, 'messages are transactional');
+
+# --- a failing function: retried with backoff, then dead, while other topics flow
+$node->safe_psql('postgres', q{
+	SELECT idempotency.idem_outbox_enqueue('bad', '{"n": 1}', 'poison');
+	SELECT idempotency.idem_outbox_enqueue('bad', '{"n": 2}', 'poison');
+	SELECT idempotency.idem_outbox_enqueue('fast', jsonb_build_object('n', n)) FROM generate_series(2, 6) n;
+});
+$node->poll_query_until('postgres',
+	"SELECT state = 'dead' FROM idempotency.outbox WHERE topic = 'bad' ORDER BY id LIMIT 1")
+  or die "the failing row did not die";
+is($node->safe_psql('postgres',
+		"SELECT attempts || ' ' || (last_error LIKE 'downstream rejected event%') FROM idempotency.outbox WHERE topic = 'bad' ORDER BY id LIMIT 1"),
+	'3 true', 'the failing row was tried 3 times and keeps its last error');
+is($node->safe_psql('postgres',
+		"SELECT state || ' ' || attempts FROM idempotency.outbox WHERE topic = 'bad' ORDER BY id OFFSET 1"),
+	'pending 0', 'the next row of its key is held back, untried');
+wait_published('fast');
+is($node->safe_psql('postgres', "SELECT count(*) FROM sink WHERE topic = 'fast'"),
+	'6', 'the other topic kept publishing');
+ok($node->safe_psql('postgres', "SELECT publish_failures >= 3 AND published >= 216 FROM idempotency.stats") eq 't',
+	'the stats view counts publications and failures');
+is($node->safe_psql('postgres',
+		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'"),
+	$worker_pid, 'the worker survived the failures');
+
+# --- SIGHUP: a changed setting is honoured without a restart
+$node->safe_psql('postgres', "ALTER SYSTEM SET idempotency.outbox_retention = '1h'");
+$node->reload;
+usleep(300_000);
+$node->safe_psql('postgres', "SELECT idempotency.idem_outbox_enqueue('fast', '{\"after\": \"reload\"}')");
+$node->poll_query_until('postgres',
+	"SELECT count(*) = 1 FROM idempotency.outbox WHERE topic = 'fast' AND state = 'published'")
+  or die "the reloaded retention was not applied";
+pass('after SIGHUP, published rows are kept for outbox_retention');
+
+$node->stop;
+done_testing();
