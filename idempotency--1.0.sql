@@ -249,13 +249,15 @@ CREATE TABLE idempotency.outbox_routes (
 	topic			text COLLATE "C" PRIMARY KEY,
 	target			text NOT NULL
 		CHECK (target IN ('notify', 'logical', 'function', 'none')),
-	destination		text
+	destination		text,
+	run_as			regrole
 );
 
 COMMENT ON TABLE idempotency.outbox_routes IS
 	'how the background worker publishes each topic (set with idem_outbox_route); topic ''*'' is the default route';
 COMMENT ON COLUMN idempotency.outbox_routes.target IS 'notify, logical, function or none';
 COMMENT ON COLUMN idempotency.outbox_routes.destination IS 'the NOTIFY channel, the logical message prefix, or the function';
+COMMENT ON COLUMN idempotency.outbox_routes.run_as IS 'function target: the role that set the route, which the function runs as';
 
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_routes', '');
 

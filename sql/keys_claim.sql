@@ -77,3 +77,12 @@ SELECT scope, key, attempt, status_code, body,
        lease_expires_at IS NULL AS lease_cleared,
        expires_at > completed_at AS kept_after_completion
 FROM keys WHERE scope = 'alice:POST /payments' ORDER BY key;
+
+-- A claim keeps its lock on the table (not on any row another claim could
+-- wait for) until its transaction ends, so that DDL such as REINDEX
+-- CONCURRENTLY cannot slip in under an uncommitted claim.
+BEGIN;
+SELECT outcome FROM idem_claim('locks', 'k');
+SELECT mode FROM pg_locks
+WHERE pid = pg_backend_pid() AND relation = 'idempotency.keys'::regclass;
+COMMIT;

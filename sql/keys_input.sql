@@ -68,6 +68,12 @@ CREATE INDEX keys_lower_key ON keys (lower(key));
 SELECT idem_claim('s', 'lower-index');
 \echo :SQLSTATE
 ROLLBACK;
+-- and so is another unique index, whose check could wait (0A000)
+BEGIN;
+CREATE UNIQUE INDEX keys_unique_fingerprint ON keys (fingerprint);
+SELECT idem_claim('s', 'unique-index');
+\echo :SQLSTATE
+ROLLBACK;
 -- a plain column index is maintained like the primary key
 BEGIN;
 CREATE INDEX keys_by_status ON keys (status_code);

@@ -21,6 +21,9 @@ SELECT idem_outbox_route('forwarded', 'function', 'forward');
 SELECT idem_outbox_route('forwarded2', 'function', 'public.forward(idempotency.outbox)');
 -- none: an external relay uses idem_outbox_fetch
 SELECT idem_outbox_route('relayed', 'none');
+-- a function route records who set it: the function runs as that role
+SELECT topic, run_as = current_user::regrole AS runs_as_setter
+FROM outbox_routes WHERE target = 'function' ORDER BY topic;
 -- setting a route again replaces it
 SELECT idem_outbox_route('audit', 'logical', 'audit.v2');
 SELECT topic, target, destination FROM outbox_routes ORDER BY topic;

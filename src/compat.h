@@ -84,10 +84,11 @@ typedef bool CompatUpdateIndexes;
 #endif
 
 /*
- * InitMaterializedSRF() (15) sets up a set-returning function's tuplestore;
- * older servers get the same, spelled out.
+ * InitMaterializedSRF() (15.1; 15.0 called it SetSingleFuncCall) sets up a
+ * set-returning function's tuplestore; older servers get the same, spelled
+ * out.
  */
-#if PG_VERSION_NUM < 150000
+#if PG_VERSION_NUM < 150001
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "utils/tuplestore.h"

@@ -259,8 +259,8 @@ typedef enum ClaimDecision
 } ClaimDecision;
 
 static ClaimDecision
-decide_claim(const KeyRow *row, bool being_modified, text *fingerprint,
-			 TimestampTz now)
+decide_claim(const KeyRow *row, bool being_modified, bool written_by_us,
+			 text *fingerprint, TimestampTz now)
 {
 	if (key_row_expired(row, now))
 		return being_modified ? CLAIM_IN_PROGRESS : CLAIM_RESET;
@@ -277,7 +277,9 @@ decide_claim(const KeyRow *row, bool being_modified, text *fingerprint,
 	if (being_modified)
 		return CLAIM_IN_PROGRESS;
 
-	if (DatumGetTimestampTz(KEY_VALUE(row, Anum_keys_lease_expires_at)) > now)
+	/* a claim of this transaction's own is never taken over by itself */
+	if (written_by_us ||
+		DatumGetTimestampTz(KEY_VALUE(row, Anum_keys_lease_expires_at)) > now)
 		return CLAIM_IN_PROGRESS;
 
 	return CLAIM_TAKE_OVER;
@@ -345,7 +347,8 @@ idem_claim(PG_FUNCTION_ARGS)
 		}
 
 		deform_key_row(&rel, &found, &row);
-		decision = decide_claim(&row, found.being_modified, fingerprint, now);
+		decision = decide_claim(&row, found.being_modified, found.written_by_us,
+								fingerprint, now);
 		if (decision == CLAIM_MISMATCH)
 		{
 			result = claim_result(fcinfo, "mismatch", NULL);

@@ -123,6 +123,7 @@ enum
 	CANDIDATE_ID,
 	CANDIDATE_TARGET,
 	CANDIDATE_DESTINATION,
+	CANDIDATE_RUN_AS,
 	CANDIDATE_MESSAGE,
 	CANDIDATE_REFERENCE,
 	CANDIDATE_PREVIOUS_ID
@@ -198,10 +199,12 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		1, {INT8OID}
 	},
 	[STMT_ROUTE] = {
-		"INSERT INTO idempotency.outbox_routes (topic, target, destination) VALUES ($1, $2, $3)"
+		"INSERT INTO idempotency.outbox_routes (topic, target, destination, run_as)"
+		" VALUES ($1, $2, $3, $4)"
 		" ON CONFLICT (topic) DO UPDATE"
-		" SET target = excluded.target, destination = excluded.destination",
-		3, {TEXTOID, TEXTOID, TEXTOID}
+		" SET target = excluded.target, destination = excluded.destination,"
+		"     run_as = excluded.run_as",
+		4, {TEXTOID, TEXTOID, TEXTOID, REGROLEOID}
 	},
 
 	/*
@@ -215,7 +218,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * wait).  $1 now, $2 batch size.
 	 */
 	[STMT_PUBLISH_CANDIDATES] = {
-		"SELECT o AS event, o.id, r.target, r.destination,"
+		"SELECT o AS event, o.id, r.target, r.destination, r.run_as,"
 		"       json_build_object('id', o.id, 'topic', o.topic, 'key', o.key,"
 		"                         'payload', o.payload, 'headers', o.headers,"
 		"                         'created_at', o.created_at)::text AS message,"
@@ -225,7 +228,8 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		"        WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id"
 		"          AND e.state <> 'published') AS previous_id"
 		" FROM idempotency.outbox o"
-		" CROSS JOIN LATERAL (SELECT rt.target, rt.destination FROM idempotency.outbox_routes rt"
+		" CROSS JOIN LATERAL (SELECT rt.target, rt.destination, rt.run_as"
+		"                     FROM idempotency.outbox_routes rt"
 		"                     WHERE rt.topic = o.topic OR rt.topic = '*'"
 		"                     ORDER BY rt.topic = '*' LIMIT 1) r"
 		" WHERE o.state = 'pending' AND o.available_at <= $1 AND r.target <> 'none'"
@@ -475,8 +479,8 @@ idem_outbox_route(PG_FUNCTION_ARGS)
 	text	   *topic = idem_arg_identifier(fcinfo, 0, "topic", 1);
 	char	   *target;
 	char	   *destination = PG_ARGISNULL(2) ? NULL : text_to_cstring(PG_GETARG_TEXT_PP(2));
-	Datum		values[3];
-	char		nulls[3] = {' ', ' ', ' '};
+	Datum		values[4];
+	char		nulls[4] = {' ', ' ', ' ', 'n'};
 	OutboxSqlContext context;
 
 	if (PG_ARGISNULL(1))
@@ -500,6 +504,9 @@ idem_outbox_route(PG_FUNCTION_ARGS)
 					 errmsg("the function target needs a destination"),
 					 errhint("Name a function that takes one idempotency.outbox row.")));
 		destination = resolve_route_function(destination);
+		/* the function will run as the role that routed to it */
+		values[3] = ObjectIdGetDatum(GetUserId());
+		nulls[3] = ' ';
 	}
 	else if (strcmp(target, "none") == 0)
 	{
@@ -692,6 +699,7 @@ typedef struct Candidate
 	Datum		event;			/* the row, as an idempotency.outbox composite */
 	char	   *target;
 	char	   *destination;
+	Oid			run_as;			/* function target: the role it runs as */
 	char	   *message;
 	char	   *reference;
 	bool		has_previous;
@@ -716,34 +724,36 @@ published_earlier(const int64 *published, int npublished, int64 id)
 }
 
 /*
- * Call a route's function with the row, as the function's owner, with the
- * restrictions of a maintenance operation: the worker runs as the extension's
- * owner, and the function is the user's code.
+ * Call a route's function with the row, as the role that set the route (who
+ * had to be allowed to execute it then, and still must be), with the
+ * restrictions of a maintenance operation and the database's own
+ * search_path rather than the pinned one our statements run under.  The
+ * worker itself runs as the extension's owner: the function must not.
  */
 static void
-call_route_function(const char *signature, Datum event)
+call_route_function(const char *signature, Oid run_as, Datum event)
 {
 	Oid			funcoid = DatumGetObjectId(DirectFunctionCall1(regprocedurein,
 															   CStringGetDatum(signature)));
-	HeapTuple	proctup = SearchSysCache1(PROCOID, ObjectIdGetDatum(funcoid));
-	Oid			owner;
 	Oid			saved_userid;
 	int			saved_sec_context;
 	int			guc_nest_level;
 	FmgrInfo	flinfo;
 	LOCAL_FCINFO(fcinfo, 1);
 
-	if (!HeapTupleIsValid(proctup))
-		elog(ERROR, "cache lookup failed for function %u", funcoid);
-	owner = ((Form_pg_proc) GETSTRUCT(proctup))->proowner;
-	ReleaseSysCache(proctup);
+	if (!OidIsValid(run_as) || !SearchSysCacheExists1(AUTHOID, ObjectIdGetDatum(run_as)))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_OBJECT),
+				 errmsg("the role that routed to %s no longer exists", signature),
+				 errhint("Set the route again with idem_outbox_route.")));
+	if (compat_function_aclcheck(funcoid, run_as, ACL_EXECUTE) != ACLCHECK_OK)
+		ereport(ERROR,
+				(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
+				 errmsg("role \"%s\" may no longer execute %s",
+						GetUserNameFromId(run_as, false), signature)));
 
-	/*
-	 * The user's function sees the database's own search_path, not the
-	 * pinned one our statements run under.
-	 */
 	GetUserIdAndSecContext(&saved_userid, &saved_sec_context);
-	SetUserIdAndSecContext(owner, saved_sec_context |
+	SetUserIdAndSecContext(run_as, saved_sec_context |
 						   SECURITY_LOCAL_USERID_CHANGE | SECURITY_RESTRICTED_OPERATION);
 	guc_nest_level = NewGUCNestLevel();
 	(void) set_config_option("search_path", GetConfigOptionResetString("search_path"),
@@ -771,7 +781,7 @@ publish_one(const Candidate *candidate)
 								   CStringGetTextDatum(candidate->destination),
 								   CStringGetTextDatum(candidate->message));
 	else if (strcmp(candidate->target, "function") == 0)
-		call_route_function(candidate->destination, candidate->event);
+		call_route_function(candidate->destination, candidate->run_as, candidate->event);
 	else
 		elog(ERROR, "unknown outbox route target \"%s\"", candidate->target);
 }
@@ -855,6 +865,9 @@ outbox_publish_batch(TimestampTz now, int limit, uint64 *published_count,
 		candidate->id = DatumGetInt64(SPI_getbinval(tuple, desc, CANDIDATE_ID, &isnull));
 		candidate->target = candidate_text(tuple, desc, CANDIDATE_TARGET);
 		candidate->destination = candidate_text(tuple, desc, CANDIDATE_DESTINATION);
+		candidate->run_as = DatumGetObjectId(SPI_getbinval(tuple, desc, CANDIDATE_RUN_AS, &isnull));
+		if (isnull)
+			candidate->run_as = InvalidOid;
 		candidate->message = candidate_text(tuple, desc, CANDIDATE_MESSAGE);
 		candidate->reference = candidate_text(tuple, desc, CANDIDATE_REFERENCE);
 		candidate->previous_id = DatumGetInt64(SPI_getbinval(tuple, desc, CANDIDATE_PREVIOUS_ID,

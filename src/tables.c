@@ -31,7 +31,9 @@
 #include "access/table.h"
 #include "access/xact.h"
 #include "catalog/index.h"
+#include "access/htup_details.h"
 #include "catalog/namespace.h"
+#include "nodes/makefuncs.h"
 #include "catalog/pg_type.h"
 #include "executor/tuptable.h"
 #include "miscadmin.h"
@@ -103,29 +105,19 @@ static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
 };
 
 /*
- * The OIDs of our tables and their primary keys, looked up once per backend
- * and forgotten when the relcache says the table changed (ALTER, DROP
- * EXTENSION, or a cache reset).
+ * Which of our tables have passed the shape check, by OID.  Forgotten when
+ * the relcache says the table changed (ALTER, DROP EXTENSION, a cache
+ * reset), so that the next open checks again.
  */
-typedef struct TableOids
-{
-	Oid			relid;
-	Oid			pkeyid;
-	Oid			owner;
-} TableOids;
-
-static TableOids table_oids[IDEM_NUM_TABLES];
+static Oid	checked_relid[IDEM_NUM_TABLES];
 static bool invalidation_registered = false;
 
 static void
-forget_table_oids(Datum arg, Oid relid)
+forget_checked_table(Datum arg, Oid relid)
 {
 	for (int i = 0; i < IDEM_NUM_TABLES; i++)
-	{
-		if (relid == InvalidOid || relid == table_oids[i].relid ||
-			relid == table_oids[i].pkeyid)
-			table_oids[i].relid = table_oids[i].pkeyid = InvalidOid;
-	}
+		if (relid == InvalidOid || relid == checked_relid[i])
+			checked_relid[i] = InvalidOid;
 }
 
 /* Refuse a table whose columns are not the ones the C code was built for. */
@@ -151,47 +143,40 @@ check_table_shape(Relation heap, const ExpectedTable *def)
 				 errhint("Do not alter the extension's tables; reinstall the extension with DROP EXTENSION and CREATE EXTENSION.")));
 }
 
-static const TableOids *
-lookup_table_oids(IdemTable table)
+/*
+ * Open one of our tables by name, locked until the end of the transaction.
+ * RangeVarGetRelid looks the name up, takes the lock and looks again if
+ * invalidations arrived meanwhile, so the OID it returns is the table's for
+ * the rest of the transaction: nothing about it is cached across calls but
+ * the fact that its shape was checked.
+ */
+static Relation
+open_table(IdemTable table, LOCKMODE lockmode)
 {
-	TableOids  *oids = &table_oids[table];
 	const ExpectedTable *def = &table_defs[table];
-	Oid			nspid;
+	Oid			relid;
 	Relation	heap;
-
-	if (OidIsValid(oids->relid))
-		return oids;
 
 	if (!invalidation_registered)
 	{
-		CacheRegisterRelcacheCallback(forget_table_oids, (Datum) 0);
+		CacheRegisterRelcacheCallback(forget_checked_table, (Datum) 0);
 		invalidation_registered = true;
 	}
 
-	nspid = get_namespace_oid(IDEM_SCHEMA, true);
-	oids->relid = OidIsValid(nspid) ? get_relname_relid(def->name, nspid) : InvalidOid;
-	if (!OidIsValid(oids->relid))
+	relid = RangeVarGetRelid(makeRangeVar(IDEM_SCHEMA, (char *) def->name, -1),
+							 lockmode, true);
+	if (!OidIsValid(relid))
 		ereport(ERROR,
 				(errcode(ERRCODE_UNDEFINED_TABLE),
 				 errmsg("table \"%s.%s\" does not exist", IDEM_SCHEMA, def->name),
 				 errhint("Run CREATE EXTENSION idempotency in this database.")));
-
-	heap = table_open(oids->relid, AccessShareLock);
-	check_table_shape(heap, def);
-	list_free(RelationGetIndexList(heap));	/* fills in rd_pkindex */
-	oids->pkeyid = heap->rd_pkindex;
-	oids->owner = heap->rd_rel->relowner;
-	table_close(heap, AccessShareLock);
-
-	if (!OidIsValid(oids->pkeyid))
+	heap = table_open(relid, NoLock);
+	if (checked_relid[table] != relid)
 	{
-		oids->relid = InvalidOid;
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("table \"%s.%s\" has no primary key", IDEM_SCHEMA, def->name),
-				 errhint("Reinstall the extension with DROP EXTENSION and CREATE EXTENSION.")));
+		check_table_shape(heap, def);
+		checked_relid[table] = relid;
 	}
-	return oids;
+	return heap;
 }
 
 /*
@@ -201,19 +186,33 @@ lookup_table_oids(IdemTable table)
 Oid
 idem_tables_owner(void)
 {
-	return lookup_table_oids(IDEM_TABLE_KEYS)->owner;
+	Relation	heap = open_table(IDEM_TABLE_KEYS, AccessShareLock);
+	Oid			owner = heap->rd_rel->relowner;
+
+	table_close(heap, NoLock);
+	return owner;
 }
 
 void
 idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode)
 {
-	const TableOids *oids = lookup_table_oids(table);
+	Oid			pkeyid;
 
 	memset(rel, 0, sizeof(IdemRelation));
 	rel->table = table;
 	rel->lockmode = lockmode;
-	rel->heap = table_open(oids->relid, lockmode);
-	rel->pkey = index_open(oids->pkeyid, lockmode);
+	rel->heap = open_table(table, lockmode);
+
+	if (!rel->heap->rd_indexvalid)
+		list_free(RelationGetIndexList(rel->heap));	/* fills in rd_pkindex */
+	pkeyid = rel->heap->rd_pkindex;
+	if (!OidIsValid(pkeyid))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("table \"%s.%s\" has no primary key",
+						IDEM_SCHEMA, table_defs[table].name),
+				 errhint("Reinstall the extension with DROP EXTENSION and CREATE EXTENSION.")));
+	rel->pkey = index_open(pkeyid, lockmode);
 }
 
 /*
@@ -244,13 +243,14 @@ open_all_indexes(IdemRelation *rel)
 		rel->nindexes = ++i;
 
 		if (info->ii_Expressions != NIL || info->ii_Predicate != NIL ||
-			info->ii_ExclusionOps != NULL)
+			info->ii_ExclusionOps != NULL ||
+			(info->ii_Unique && RelationGetRelid(index) != RelationGetRelid(rel->pkey)))
 			ereport(ERROR,
 					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 					 errmsg("index \"%s\" on table \"%s.%s\" is not supported",
 							RelationGetRelationName(index), IDEM_SCHEMA,
 							table_defs[rel->table].name),
-					 errdetail("The extension maintains its tables' indexes itself and handles only plain column indexes without a WHERE clause or exclusion constraint."),
+					 errdetail("The extension maintains its tables' indexes itself and handles only plain, non-unique column indexes without a WHERE clause, besides the primary key."),
 					 errhint("Drop the index.")));
 	}
 	list_free(index_oids);
@@ -259,10 +259,11 @@ open_all_indexes(IdemRelation *rel)
 void
 idem_relation_close(IdemRelation *rel)
 {
+	/* the locks are kept until the end of the transaction, as the executor does */
 	for (int i = 0; i < rel->nindexes; i++)
-		index_close(rel->indexes[i], rel->lockmode);
-	index_close(rel->pkey, rel->lockmode);
-	table_close(rel->heap, rel->lockmode);
+		index_close(rel->indexes[i], NoLock);
+	index_close(rel->pkey, NoLock);
+	table_close(rel->heap, NoLock);
 }
 
 /*
@@ -309,6 +310,8 @@ idem_probe(IdemRelation *rel, const Datum *pkey_values, ProbeResult *result)
 		result->tid = slot->tts_tid;
 		result->being_modified = TransactionIdIsValid(dirty.xmax);
 		result->modifying_xid = dirty.xmax;
+		result->written_by_us =
+			TransactionIdIsCurrentTransactionId(HeapTupleHeaderGetXmin(result->tuple->t_data));
 		break;
 	}
 
@@ -369,13 +372,11 @@ insert_index_entries(IdemRelation *rel, TupleTableSlot *slot,
 
 		if (is_update && !COMPAT_UPDATE_NEEDS_INDEX(update_indexes, index))
 			continue;
+		/* an index being built concurrently is not ready for entries yet */
+		if (!rel->index_info[i]->ii_ReadyForInserts)
+			continue;
 
-		if (is_pkey)
-			check = pkey_check;
-		else if (index->rd_index->indisunique)
-			check = UNIQUE_CHECK_YES;
-		else
-			check = UNIQUE_CHECK_NO;
+		check = is_pkey ? pkey_check : UNIQUE_CHECK_NO;
 
 		FormIndexDatum(rel->index_info[i], slot, NULL, values, isnull);
 		ok = compat_index_insert(index, values, isnull, &slot->tts_tid, rel->heap,
@@ -475,7 +476,7 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 				   BlockNumber *next_block)
 {
 	const ExpectedTable *def = &table_defs[table];
-	Relation	heap = table_open(lookup_table_oids(table)->relid, RowExclusiveLock);
+	Relation	heap = open_table(table, RowExclusiveLock);
 	TupleDesc	desc = RelationGetDescr(heap);
 	BlockNumber nblocks = RelationGetNumberOfBlocks(heap);
 	BlockNumber start = *next_block;
@@ -490,7 +491,7 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 		start = 0;
 	if (nblocks == 0)
 	{
-		table_close(heap, RowExclusiveLock);
+		table_close(heap, NoLock);
 		return 0;
 	}
 
@@ -517,6 +518,6 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 	}
 	table_endscan(scan);
 	UnregisterSnapshot(snapshot);
-	table_close(heap, RowExclusiveLock);
+	table_close(heap, NoLock);
 	return deleted;
 }

@@ -88,6 +88,8 @@ typedef struct ProbeResult
 	/* PROBE_FOUND: another transaction is updating or deleting it */
 	bool		being_modified;
 	TransactionId modifying_xid;
+	/* PROBE_FOUND: this transaction wrote this version */
+	bool		written_by_us;
 	/* PROBE_INSERTING: the inserter, and its speculative token if any */
 	TransactionId inserting_xid;
 	uint32		speculative_token;

@@ -429,6 +429,7 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	}
 	PG_END_TRY();
 
+	pgstat_report_stat(false);
 	pgstat_report_activity(STATE_IDLE, NULL);
 	return more;
 }
@@ -518,6 +519,7 @@ idem_worker_main(Datum main_arg)
 		}
 
 		run_round(&cursor);
+		pgstat_report_stat(true);
 
 		LWLockAcquire(idem_shmem_lock(), LW_EXCLUSIVE);
 		my_slot->last_round = GetCurrentTimestamp();

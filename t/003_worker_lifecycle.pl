@@ -1,0 +1,150 @@
+# The worker's life: it serves databases created after start without
+# configuration, comes back after pg_terminate_backend and kill -9, never
+# holds up DROP DATABASE, follows DROP / CREATE EXTENSION, and purges in
+# bounded batches.
+
+use strict;
+use warnings;
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use Time::HiRes qw(time);
+
+my $node = PostgreSQL::Test::Cluster->new('lifecycle');
+$node->init;
+$node->append_conf('postgresql.conf', qq{
+shared_preload_libraries = 'idempotency'
+idempotency.naptime = '200ms'
+restart_after_crash = on
+});
+$node->start;
+
+my $setup = q{
+	CREATE EXTENSION idempotency;
+	CREATE TABLE sink (id bigint);
+	CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE sql AS
+		'INSERT INTO sink VALUES (e.id)';
+	SELECT idempotency.idem_outbox_route('*', 'function', 'sink_it');
+};
+$node->safe_psql('postgres', $setup);
+
+sub worker_pid
+{
+	my ($db) = @_;
+	return $node->safe_psql('postgres',
+		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency worker $db'");
+}
+
+sub wait_for_worker
+{
+	my ($db, $not_pid) = @_;
+	$not_pid //= 0;
+	$node->poll_query_until('postgres', qq{
+		SELECT count(*) = 1 FROM pg_stat_activity
+		WHERE backend_type = 'idempotency worker $db' AND pid <> $not_pid})
+	  or die "no worker for database $db";
+	return worker_pid($db);
+}
+
+# publishing works in db: enqueue one row and see the function receive it
+sub publishes
+{
+	my ($db, $what) = @_;
+	my $id = $node->safe_psql($db, "SELECT idempotency.idem_outbox_enqueue('t', '{}')");
+	ok($node->poll_query_until($db, "SELECT count(*) = 1 FROM sink WHERE id = $id"),
+		"$what: a row is published in $db");
+}
+
+my $pid = wait_for_worker('postgres');
+is($node->safe_psql('postgres',
+		"SELECT datname || ' ' || application_name FROM pg_stat_activity WHERE pid = $pid"),
+	'postgres idempotency worker', 'the worker shows in pg_stat_activity, naming its database');
+publishes('postgres', 'at start');
+
+# --- pg_terminate_backend stops a worker; the launcher starts it again
+$node->safe_psql('postgres', "SELECT pg_terminate_backend($pid)");
+my $new_pid = wait_for_worker('postgres', $pid);
+isnt($new_pid, $pid, 'after pg_terminate_backend a new worker serves the database');
+publishes('postgres', 'after pg_terminate_backend');
+
+# --- the launcher too comes back after pg_terminate_backend
+my $launcher = $node->safe_psql('postgres',
+	"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency launcher'");
+$node->safe_psql('postgres', "SELECT pg_terminate_backend($launcher)");
+ok($node->poll_query_until('postgres', qq{
+		SELECT count(*) = 1 FROM pg_stat_activity
+		WHERE backend_type = 'idempotency launcher' AND pid <> $launcher}),
+	'the launcher is restarted');
+is(worker_pid('postgres'), $new_pid, 'a restarted launcher does not start a second worker');
+
+# --- kill -9: the postmaster restarts everything; the worker comes back
+kill 'KILL', $new_pid;
+$node->poll_query_until('postgres', 'SELECT true')
+  or die "the server did not come back from the crash";
+my $after_crash = wait_for_worker('postgres', $new_pid);
+ok($after_crash, 'after kill -9 of the worker, a worker serves the database again');
+publishes('postgres', 'after kill -9');
+
+# --- a database created after start is served with no configuration
+$node->safe_psql('postgres', 'CREATE DATABASE later');
+$node->safe_psql('later', $setup);
+my $later_pid = wait_for_worker('later');
+ok($later_pid, 'a database created after start gets its worker');
+publishes('later', 'in the new database');
+
+# --- DROP DATABASE of a served database succeeds at once
+my $start = time();
+my ($ret, $out, $err) = $node->psql('postgres', 'DROP DATABASE later');
+my $took = time() - $start;
+is($ret, 0, 'DROP DATABASE of a served database succeeds') or diag($err);
+cmp_ok($took, '<', 5, sprintf('... and does not wait (%.2fs)', $took));
+ok($node->poll_query_until('postgres',
+		"SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency worker later'"),
+	'no worker is left for the dropped database');
+
+# --- DROP EXTENSION / CREATE EXTENSION in a live database
+$node->safe_psql('postgres', 'DROP EXTENSION idempotency CASCADE; DROP TABLE sink');
+ok($node->poll_query_until('postgres',
+		"SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'"),
+	'after DROP EXTENSION the worker leaves');
+$node->safe_psql('postgres', $setup);
+wait_for_worker('postgres');
+publishes('postgres', 'after DROP and CREATE EXTENSION');
+
+# --- purge happens in bounded batches, each a transaction of its own
+$node->safe_psql('postgres', q{
+	ALTER SYSTEM SET idempotency.purge_batch_size = 50;
+	SELECT pg_reload_conf();
+});
+$node->safe_psql('postgres', q{
+	ALTER SYSTEM SET idempotency.naptime = '1h';
+	SELECT pg_reload_conf();
+});
+sleep(1);    # the worker takes the long naptime and sleeps
+my $commits_before = $node->safe_psql('postgres',
+	"SELECT xact_commit FROM pg_stat_database WHERE datname = 'postgres'");
+$node->safe_psql('postgres', q{
+	INSERT INTO idempotency.keys (scope, key, attempt, ttl, created_at, expires_at, status_code)
+	SELECT 's', 'k' || n, 1, '1 s', now() - interval '1 day', now() - interval '1 hour', 200
+	FROM generate_series(1, 5000) n;
+	INSERT INTO idempotency.processed_events
+	SELECT 'c', 'e' || n, now() - interval '30 days', now() - interval '1 day'
+	FROM generate_series(1, 2000) n;
+	INSERT INTO idempotency.keys (scope, key, attempt, ttl, created_at, expires_at)
+	VALUES ('s', 'live', 1, '1 day', now(), now() + interval '1 day');
+});
+$node->safe_psql('postgres',
+	"SELECT idempotency.idem_outbox_enqueue('t', '{}')");    # wakes the worker
+ok($node->poll_query_until('postgres', q{
+		SELECT (SELECT count(*) FROM idempotency.keys) = 1
+		   AND (SELECT count(*) FROM idempotency.processed_events) = 0}),
+	'expired keys and events are purged; the live key stays');
+ok($node->poll_query_until('postgres',
+		"SELECT xact_commit >= $commits_before + 140 FROM pg_stat_database WHERE datname = 'postgres'"),
+	'7000 rows were purged in batches of 50: at least 140 transactions');
+ok($node->safe_psql('postgres', 'SELECT purged >= 7000 FROM idempotency.stats') eq 't',
+	'the stats view counts the purged rows');
+
+$node->stop;
+done_testing();
