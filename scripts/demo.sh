@@ -152,6 +152,38 @@ SELECT id, key, state, attempts, last_error, available_at > now() AS backing_off
 FROM idempotency.outbox ORDER BY id;
 SQL
 
+section "the background worker publishes routed topics: a function of yours receives each row, in order"
+psql_demo <<'SQL'
+CREATE TABLE shipments (event_id bigint, order_no int, event text, published_at timestamptz DEFAULT clock_timestamp());
+CREATE FUNCTION ship(e idempotency.outbox) RETURNS void LANGUAGE sql AS $$
+  INSERT INTO shipments (event_id, order_no, event) VALUES (e.id, (e.payload->>'order')::int, e.payload->>'event')
+$$;
+SELECT idempotency.idem_outbox_route('shipping', 'function', 'ship');
+BEGIN;
+SELECT idempotency.idem_outbox_enqueue('shipping', '{"order": 9, "event": "packed"}', 'order-9');
+SELECT idempotency.idem_outbox_enqueue('shipping', '{"order": 9, "event": "shipped"}', 'order-9');
+COMMIT;
+SELECT pg_sleep(0.5);
+\echo '-- the commit woke the worker; it published both rows and removed them from the outbox:'
+SELECT event_id, order_no, event FROM shipments ORDER BY event_id;
+SELECT count(*) AS left_in_outbox FROM idempotency.outbox WHERE topic = 'shipping';
+SQL
+
+section "the background worker purges expired keys"
+psql_demo <<'SQL'
+SELECT outcome FROM idempotency.idem_claim('demo:POST /short', 'k', ttl => '1 second');
+SELECT idempotency.idem_complete('demo:POST /short', 'k', 200, 'short-lived');
+SELECT count(*) AS keys_before FROM idempotency.keys WHERE scope = 'demo:POST /short';
+SELECT pg_sleep(2.5);
+SELECT count(*) AS keys_after FROM idempotency.keys WHERE scope = 'demo:POST /short';
+SQL
+
+section "idempotency.stats"
+psql_demo <<'SQL'
+\x on
+SELECT * FROM idempotency.stats;
+SQL
+
 section "the stored keys"
 psql_demo <<'SQL'
 SELECT scope, key, attempt, status_code, recovery_point FROM idempotency.keys ORDER BY scope, key;
