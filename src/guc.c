@@ -14,6 +14,7 @@
 #include <ctype.h>
 #include <limits.h>
 
+#include "miscadmin.h"
 #include "utils/guc.h"
 
 #include "compat.h"
@@ -312,17 +313,22 @@ idem_define_gucs(void)
 							   GUC_LIST_INPUT,
 							   NULL, NULL, NULL);
 
-	DefineCustomIntVariable("idempotency.max_databases",
-							"Databases the background workers can serve at once.",
-							"Each served database takes one background worker "
-							"process, out of max_worker_processes, besides the "
-							"launcher's own.  Also the number of databases whose "
-							"counters idempotency.stats can keep.",
-							&idem_max_databases,
-							32, 1, 1024,
-							PGC_POSTMASTER,
-							0,
-							NULL, NULL, NULL);
+	/*
+	 * Sizes shared memory, so it exists only when the library is preloaded:
+	 * a PGC_POSTMASTER setting cannot be defined after startup.
+	 */
+	if (process_shared_preload_libraries_in_progress)
+		DefineCustomIntVariable("idempotency.max_databases",
+								"Databases the background workers can serve at once.",
+								"Each served database takes one background worker "
+								"process, out of max_worker_processes, besides the "
+								"launcher's own.  Also the number of databases whose "
+								"counters idempotency.stats can keep.",
+								&idem_max_databases,
+								32, 1, 1024,
+								PGC_POSTMASTER,
+								0,
+								NULL, NULL, NULL);
 
 	MarkGUCPrefixReserved("idempotency");
 }

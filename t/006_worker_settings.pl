@@ -1,0 +1,77 @@
+# Running without shared_preload_libraries (a WARNING at CREATE EXTENSION,
+# and idem_run_maintenance() doing the worker's work from SQL); the
+# idempotency.databases allow-list; and the worker budget when background
+# worker slots run out.
+
+use strict;
+use warnings;
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+# --- without preload
+my $plain = PostgreSQL::Test::Cluster->new('plain');
+$plain->init;
+$plain->start;
+my ($ret, $out, $err) = $plain->psql('postgres', 'CREATE EXTENSION idempotency');
+is($ret, 0, 'CREATE EXTENSION works without preload');
+like($err, qr/WARNING:  idempotency is not in shared_preload_libraries/, 'and warns');
+like($err, qr/HINT:  Add idempotency to shared_preload_libraries/, 'with a hint');
+
+$plain->safe_psql('postgres', q{
+	CREATE TABLE sink (id bigint);
+	CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE sql AS
+		'INSERT INTO sink VALUES (e.id)';
+	SELECT idempotency.idem_outbox_route('t', 'function', 'sink_it');
+	SELECT idempotency.idem_outbox_enqueue('t', '{}') FROM generate_series(1, 3);
+	SELECT idempotency.idem_claim('s', 'k', ttl => '1 ms');
+	SELECT idempotency.idem_complete('s', 'k', 200);
+	SELECT idempotency.idem_mark_processed('c', 'e', '1 ms');
+	SELECT pg_sleep(0.01);
+});
+is($plain->safe_psql('postgres', 'SELECT * FROM idempotency.idem_run_maintenance()'),
+	'1|1|0|3|0', 'idem_run_maintenance purges and publishes from SQL');
+is($plain->safe_psql('postgres', q{
+		SELECT (SELECT count(*) FROM sink) || ' ' || (SELECT count(*) FROM idempotency.keys)
+		       || ' ' || (SELECT count(*) FROM idempotency.outbox)}),
+	'3 0 0', 'the rows were published and the expired ones purged');
+is($plain->safe_psql('postgres', 'SELECT claims IS NULL FROM idempotency.stats'),
+	't', 'without shared memory the counters are NULL');
+$plain->stop;
+
+# --- the allow-list and the worker budget
+my $node = PostgreSQL::Test::Cluster->new('settings');
+$node->init;
+$node->append_conf('postgresql.conf', qq{
+shared_preload_libraries = 'idempotency'
+idempotency.naptime = '200ms'
+max_worker_processes = 3
+});
+$node->start;
+for my $db ('one', 'two', 'three')
+{
+	$node->safe_psql('postgres', "CREATE DATABASE $db");
+	$node->safe_psql($db, 'CREATE EXTENSION idempotency');
+}
+
+# three databases (and postgres, which has no extension) but only two slots
+# besides the launcher's (one of them the logical replication launcher's)
+ok($node->wait_for_log(qr/idempotency: could not start a worker for database/),
+	'when worker slots run out, the launcher says so');
+ok($node->log_contains(qr/HINT:  Raise max_worker_processes/),
+	'... naming the setting to raise');
+is($node->safe_psql('postgres',
+		"SELECT count(*) FROM pg_stat_activity WHERE backend_type LIKE 'idempotency worker%'"),
+	'1', 'the workers that fit run; nothing crash-loops');
+
+# serve only "two": the others are stopped or never started
+$node->safe_psql('postgres', "ALTER SYSTEM SET idempotency.databases = 'two'");
+$node->reload;
+ok($node->poll_query_until('postgres', q{
+		SELECT array_agg(backend_type) = ARRAY['idempotency worker two']
+		FROM pg_stat_activity WHERE backend_type LIKE 'idempotency worker%'}),
+	'with idempotency.databases = two, only that database is served');
+
+$node->stop;
+done_testing();
