@@ -91,6 +91,26 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
 	"greatest(" min ", least(" max ", " min " * power(2, least(" attempts " - 1, 30)))" \
 	" * (0.5 + random() / 2))"
 
+#define PUBLISH_CANDIDATES_SQL(topic_filter) \
+	"SELECT o AS event, o.id, r.target, r.destination, r.run_as," \
+	"       json_build_object('id', o.id, 'topic', o.topic, 'key', o.key," \
+	"                         'payload', o.payload, 'headers', o.headers," \
+	"                         'created_at', o.created_at)::text AS message," \
+	"       json_build_object('id', o.id, 'topic', o.topic, 'key', o.key," \
+	"                         'truncated', true)::text AS reference," \
+	"       (SELECT max(e.id) FROM idempotency.outbox e" \
+	"        WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
+	"          AND e.state <> 'published') AS previous_id" \
+	" FROM idempotency.outbox o" \
+	" CROSS JOIN LATERAL (SELECT rt.target, rt.destination, rt.run_as" \
+	"                     FROM idempotency.outbox_routes rt" \
+	"                     WHERE rt.topic = o.topic OR rt.topic = '*'" \
+	"                     ORDER BY rt.topic = '*' LIMIT 1) r" \
+	" WHERE o.state = 'pending' AND o.available_at <= $1 AND " topic_filter \
+	"   AND r.target <> 'none'" \
+	" ORDER BY o.id LIMIT $2" \
+	" FOR UPDATE OF o SKIP LOCKED"
+
 typedef enum OutboxStatement
 {
 	STMT_ENQUEUE,
@@ -101,7 +121,9 @@ typedef enum OutboxStatement
 	STMT_REQUEUE,
 	STMT_DISCARD,
 	STMT_ROUTE,
-	STMT_PUBLISH_CANDIDATES,
+	STMT_PUBLISH_CANDIDATES_IN,
+	STMT_PUBLISH_CANDIDATES_EXCEPT,
+	STMT_ROUTES,
 	STMT_MARK_PUBLISHED_DELETE,
 	STMT_MARK_PUBLISHED_KEEP,
 	STMT_PUBLISH_FAILED,
@@ -215,27 +237,21 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * only if that one is gone or was published earlier in the same batch:
 	 * that is what keeps a key in order even when another transaction holds
 	 * one of its rows (SKIP LOCKED then leaves it out, and its successors
-	 * wait).  $1 now, $2 batch size.
+	 * wait).  $1 now, $2 batch size, $3 topics: the routed topics when there
+	 * is no default route (so that the scan stays on their part of the
+	 * outbox_ready index), the topics routed to none when there is one.
 	 */
-	[STMT_PUBLISH_CANDIDATES] = {
-		"SELECT o AS event, o.id, r.target, r.destination, r.run_as,"
-		"       json_build_object('id', o.id, 'topic', o.topic, 'key', o.key,"
-		"                         'payload', o.payload, 'headers', o.headers,"
-		"                         'created_at', o.created_at)::text AS message,"
-		"       json_build_object('id', o.id, 'topic', o.topic, 'key', o.key,"
-		"                         'truncated', true)::text AS reference,"
-		"       (SELECT max(e.id) FROM idempotency.outbox e"
-		"        WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id"
-		"          AND e.state <> 'published') AS previous_id"
-		" FROM idempotency.outbox o"
-		" CROSS JOIN LATERAL (SELECT rt.target, rt.destination, rt.run_as"
-		"                     FROM idempotency.outbox_routes rt"
-		"                     WHERE rt.topic = o.topic OR rt.topic = '*'"
-		"                     ORDER BY rt.topic = '*' LIMIT 1) r"
-		" WHERE o.state = 'pending' AND o.available_at <= $1 AND r.target <> 'none'"
-		" ORDER BY o.id LIMIT $2"
-		" FOR UPDATE OF o SKIP LOCKED",
-		2, {TIMESTAMPTZOID, INT4OID}
+	[STMT_PUBLISH_CANDIDATES_IN] = {
+		PUBLISH_CANDIDATES_SQL("o.topic = ANY ($3)"),
+		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
+	},
+	[STMT_PUBLISH_CANDIDATES_EXCEPT] = {
+		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3)"),
+		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
+	},
+	[STMT_ROUTES] = {
+		"SELECT topic, target <> 'none' AS routed FROM idempotency.outbox_routes",
+		0, {}
 	},
 	[STMT_MARK_PUBLISHED_DELETE] = {
 		"DELETE FROM idempotency.outbox WHERE id = ANY ($1)",
@@ -846,9 +862,48 @@ outbox_publish_batch(TimestampTz now, int limit, uint64 *published_count,
 	*published_count = *failed_count = 0;
 	outbox_sql_begin(&context);
 
-	values[0] = TimestampTzGetDatum(now);
-	values[1] = Int32GetDatum(limit);
-	ncandidates = outbox_sql_run(STMT_PUBLISH_CANDIDATES, values, NULL);
+	/*
+	 * Which topics to look at: with no default route (or a default of none),
+	 * only the routed ones; otherwise all but those routed to none.  Without
+	 * any routed topic there is nothing to do, and nothing to scan.
+	 */
+	{
+		uint64		nroutes = outbox_sql_run(STMT_ROUTES, NULL, NULL);
+		bool		default_routed = false;
+		Datum	   *routed = palloc(sizeof(Datum) * Max(nroutes, 1));
+		Datum	   *unrouted = palloc(sizeof(Datum) * Max(nroutes, 1));
+		int			nrouted = 0;
+		int			nunrouted = 0;
+
+		for (uint64 i = 0; i < nroutes; i++)
+		{
+			bool		isnull;
+			Datum		topic = SPI_getbinval(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1, &isnull);
+			bool		is_routed = DatumGetBool(SPI_getbinval(SPI_tuptable->vals[i],
+															   SPI_tuptable->tupdesc, 2, &isnull));
+			char	   *name = TextDatumGetCString(topic);
+
+			if (strcmp(name, "*") == 0)
+				default_routed = is_routed;
+			else if (is_routed)
+				routed[nrouted++] = CStringGetTextDatum(name);
+			else
+				unrouted[nunrouted++] = CStringGetTextDatum(name);
+		}
+		if (!default_routed && nrouted == 0)
+		{
+			outbox_sql_end(&context);
+			return 0;
+		}
+		values[0] = TimestampTzGetDatum(now);
+		values[1] = Int32GetDatum(limit);
+		values[2] = PointerGetDatum(default_routed ?
+									construct_array(unrouted, nunrouted, TEXTOID, -1, false, TYPALIGN_INT) :
+									construct_array(routed, nrouted, TEXTOID, -1, false, TYPALIGN_INT));
+		ncandidates = outbox_sql_run(default_routed ?
+									 STMT_PUBLISH_CANDIDATES_EXCEPT : STMT_PUBLISH_CANDIDATES_IN,
+									 values, NULL);
+	}
 
 	candidates = MemoryContextAlloc(batch_context, sizeof(Candidate) * Max(ncandidates, 1));
 	published = MemoryContextAlloc(batch_context, sizeof(int64) * Max(ncandidates, 1));

@@ -29,8 +29,9 @@
  * It starts once recovery has finished, so on a hot standby nothing runs
  * until promotion.
  *
- * A worker's round: publish ready outbox rows, then purge expired keys,
- * processed events past retention and published outbox rows past retention.
+ * A worker publishes ready outbox rows whenever it wakes, and once a
+ * naptime purges expired keys, processed events past retention and published
+ * outbox rows past retention.
  * Each batch is a transaction of its own; an ERROR in one is logged and the
  * work is tried again next round, so one bad row never stops the worker.  A
  * commit that enqueued an outbox row sets the worker's latch, so publishing
@@ -443,14 +444,13 @@ publish_all(MaintenanceCursor *cursor)
 }
 
 /*
- * A round: publish, then purge each table to the end.  Between purge
- * batches, a commit that enqueued events (our latch is set) gets its rows
- * published first, so that a long purge does not delay them.
+ * Purge each table to the end.  Between purge batches, a commit that
+ * enqueued events (our latch is set) gets its rows published first, so that
+ * a long purge does not delay them.
  */
 static void
-run_round(MaintenanceCursor *cursor)
+purge_all(MaintenanceCursor *cursor)
 {
-	publish_all(cursor);
 	for (int unit = UNIT_PURGE_KEYS; unit <= UNIT_PURGE_OUTBOX; unit++)
 	{
 		while (run_batch((MaintenanceUnit) unit, cursor))
@@ -471,6 +471,7 @@ idem_worker_main(Datum main_arg)
 	Oid			dboid = DatumGetObjectId(main_arg);
 	ErrorContextCallback error_context;
 	MaintenanceCursor cursor;
+	TimestampTz last_purge = 0;
 
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
 	pqsignal(SIGTERM, die);
@@ -503,6 +504,8 @@ idem_worker_main(Datum main_arg)
 	maintenance_cursor_init(&cursor);
 	for (;;)
 	{
+		long		sleep_ms;
+
 		CHECK_FOR_INTERRUPTS();
 		if (ConfigReloadPending)
 		{
@@ -518,15 +521,26 @@ idem_worker_main(Datum main_arg)
 			proc_exit(0);
 		}
 
-		run_round(&cursor);
+		/*
+		 * Publish on every wake-up (a commit that enqueued sets the latch);
+		 * purge once a naptime, not on every commit.
+		 */
+		publish_all(&cursor);
+		if (TimestampDifferenceExceeds(last_purge, GetCurrentTimestamp(), idem_naptime_ms))
+		{
+			purge_all(&cursor);
+			last_purge = GetCurrentTimestamp();
+
+			LWLockAcquire(idem_shmem_lock(), LW_EXCLUSIVE);
+			my_slot->last_round = last_purge;
+			LWLockRelease(idem_shmem_lock());
+		}
 		pgstat_report_stat(true);
 
-		LWLockAcquire(idem_shmem_lock(), LW_EXCLUSIVE);
-		my_slot->last_round = GetCurrentTimestamp();
-		LWLockRelease(idem_shmem_lock());
-
+		sleep_ms = idem_naptime_ms -
+			TimestampDifferenceMilliseconds(last_purge, GetCurrentTimestamp());
 		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-						 idem_naptime_ms, PG_WAIT_EXTENSION);
+						 Max(sleep_ms, 1), PG_WAIT_EXTENSION);
 		ResetLatch(MyLatch);
 	}
 }

@@ -117,11 +117,6 @@ $node->safe_psql('postgres', q{
 	ALTER SYSTEM SET idempotency.purge_batch_size = 50;
 	SELECT pg_reload_conf();
 });
-$node->safe_psql('postgres', q{
-	ALTER SYSTEM SET idempotency.naptime = '1h';
-	SELECT pg_reload_conf();
-});
-sleep(1);    # the worker takes the long naptime and sleeps
 my $commits_before = $node->safe_psql('postgres',
 	"SELECT xact_commit FROM pg_stat_database WHERE datname = 'postgres'");
 $node->safe_psql('postgres', q{
@@ -134,8 +129,6 @@ $node->safe_psql('postgres', q{
 	INSERT INTO idempotency.keys (scope, key, attempt, ttl, created_at, expires_at)
 	VALUES ('s', 'live', 1, '1 day', now(), now() + interval '1 day');
 });
-$node->safe_psql('postgres',
-	"SELECT idempotency.idem_outbox_enqueue('t', '{}')");    # wakes the worker
 ok($node->poll_query_until('postgres', q{
 		SELECT (SELECT count(*) FROM idempotency.keys) = 1
 		   AND (SELECT count(*) FROM idempotency.processed_events) = 0}),
