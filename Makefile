@@ -3,6 +3,7 @@
 #   make test   install what is missing, build, install, and run every suite
 #               (pg_regress, isolation, TAP) against temporary instances
 #   make demo   a tour of the extension on a throwaway cluster
+#   make bench  the benchmarks, side by side with plain SQL (not a test)
 #
 # Both are scripts under scripts/; the rest of this file is a plain PGXS
 # build.  PG_CONFIG picks the server version (default: PostgreSQL 15).
@@ -58,13 +59,16 @@ endif
 # with --enable-depend: rebuild every object when any header changes.
 $(OBJS): $(wildcard src/*.h)
 
-.PHONY: test demo check-regress check-isolation check-tap
+.PHONY: test demo bench check-regress check-isolation check-tap
 
 test:
 	PG_CONFIG=$(PG_CONFIG) scripts/test.sh
 
 demo:
 	PG_CONFIG=$(PG_CONFIG) scripts/demo.sh
+
+bench:
+	PG_CONFIG=$(PG_CONFIG) scripts/bench.sh
 
 # The three suites one by one, against the installed extension; scripts/test.sh
 # runs all of them and reports each.

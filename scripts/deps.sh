@@ -18,6 +18,7 @@ command -v make >/dev/null || missing+=(make)
 	missing+=("postgresql-server-dev-$PG_MAJOR")
 command -v prove >/dev/null || missing+=(perl)
 perl -MIPC::Run -e 1 2>/dev/null || missing+=(libipc-run-perl)
+command -v python3 >/dev/null || missing+=(python3)
 
 [ ${#missing[@]} -eq 0 ] && exit 0
 

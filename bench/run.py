@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""make bench: the extension side by side with plain SQL, in one run.
+
+Starts a throwaway cluster (shared_buffers 256MB, fsync and synchronous_commit
+on: a normal durable server) with the library preloaded, runs every workload
+with pgbench -M prepared, 8 clients, BENCH_SECONDS (15) seconds, three rounds,
+ours and the reference alternating within each round so that machine drift
+cancels out, and prints a table (tps, latency, ratio; the median of the
+rounds).  Then the background worker: publishing while 8 clients enqueue,
+and purging a million expired keys.  The last line printed is one JSON
+object with the headline ratios (ours / reference: higher is better).
+
+Environment: BENCH_SECONDS, BENCH_ROUNDS, BENCH_PUBLISH_SECONDS, BENCH_PURGE_ROWS,
+PG_CONFIG.
+"""
+
+import json
+import os
+import pwd
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKLOADS = os.path.join(HERE, "workloads")
+SECONDS = int(os.environ.get("BENCH_SECONDS", "15"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+PUBLISH_SECONDS = int(os.environ.get("BENCH_PUBLISH_SECONDS", "60"))
+CLIENTS = 8
+THREADS = 2
+PURGE_ROWS = int(os.environ.get("BENCH_PURGE_ROWS", "1000000"))
+
+# (name in the JSON, our script, the reference script, the bar)
+PAIRS = [
+    ("claim_complete_vs_floor", "claim_complete.sql", "floor.sql", 0.90),
+    ("claim_complete_vs_plpgsql", "claim_complete.sql", "plpgsql.sql", 1.30),
+    ("replay_vs_pk_select", "replay.sql", "pk_select.sql", 0.90),
+    ("mark_processed_vs_insert", "mark_processed.sql", "insert_events.sql", 0.95),
+    ("enqueue_vs_insert", "enqueue.sql", "insert_outbox.sql", 0.90),
+]
+
+PG_CONFIG = os.environ.get("PG_CONFIG", "/usr/lib/postgresql/15/bin/pg_config")
+PGBIN = subprocess.run([PG_CONFIG, "--bindir"], capture_output=True, text=True,
+                       check=True).stdout.strip()
+AS_RUNNER = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+
+class Cluster:
+    """A throwaway cluster on a unix socket, removed on exit."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="idempotency-bench.")
+        os.chmod(self.dir, 0o755)
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam("postgres")
+            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+        self.port = 20000 + os.getpid() % 20000
+        self.run([f"{PGBIN}/initdb", "-D", f"{self.dir}/data", "-A", "trust",
+                  "-U", "postgres", "--no-sync"], quiet=True)
+        with open(f"{self.dir}/data/postgresql.conf", "a") as conf:
+            conf.write(f"""
+shared_preload_libraries = 'idempotency'
+listen_addresses = ''
+unix_socket_directories = '{self.dir}'
+port = {self.port}
+shared_buffers = 256MB
+fsync = on
+synchronous_commit = on
+max_connections = 100
+idempotency.naptime = '100ms'
+""")
+        self.run([f"{PGBIN}/pg_ctl", "-D", f"{self.dir}/data", "-l",
+                  f"{self.dir}/server.log", "-w", "start"], quiet=True)
+
+    def run(self, argv, quiet=False, env=None):
+        result = subprocess.run(AS_RUNNER + argv, capture_output=True, text=True,
+                                env=env)
+        if result.returncode != 0:
+            sys.stderr.write(result.stdout + result.stderr)
+            raise SystemExit(f"failed: {' '.join(argv)}")
+        return result.stdout
+
+    def psql(self, sql):
+        return self.run([f"{PGBIN}/psql", "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1",
+                         "-h", self.dir, "-p", str(self.port), "-U", "postgres",
+                         "-d", "postgres", "-c", sql]).strip()
+
+    def psql_file(self, path):
+        self.run([f"{PGBIN}/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", self.dir,
+                  "-p", str(self.port), "-U", "postgres", "-d", "postgres", "-f", path])
+
+    def pgbench(self, script, seconds, clients=CLIENTS, options=None):
+        env = dict(os.environ)
+        if options:
+            env["PGOPTIONS"] = options
+        out = self.run([f"{PGBIN}/pgbench", "-n", "-M", "prepared", "-c", str(clients),
+                        "-j", str(min(THREADS, clients)), "-T", str(seconds),
+                        "-f", os.path.join(WORKLOADS, script), "-h", self.dir,
+                        "-p", str(self.port), "-U", "postgres", "postgres"], env=env)
+        tps = float(re.search(r"tps = ([\d.]+) \(without initial connection time\)", out)[1])
+        latency = float(re.search(r"latency average = ([\d.]+) ms", out)[1])
+        return tps, latency
+
+    def stop(self):
+        subprocess.run(AS_RUNNER + [f"{PGBIN}/pg_ctl", "-D", f"{self.dir}/data",
+                                    "-m", "fast", "stop"], capture_output=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
+    """Rounds of ours and the reference, alternating which goes first."""
+    results = {"ours": [], "ref": []}
+    for round_no in range(rounds):
+        order = [("ours", ours), ("ref", reference)]
+        if round_no % 2:
+            order.reverse()
+        for side, script in order:
+            cluster.psql("CHECKPOINT")
+            results[side].append(cluster.pgbench(script, seconds, **kwargs))
+    median = {side: (statistics.median(t for t, _ in runs),
+                     statistics.median(l for _, l in runs))
+              for side, runs in results.items()}
+    return median, median["ours"][0] / median["ref"][0]
+
+
+def counter(cluster, name):
+    return int(cluster.psql(f"SELECT {name} FROM idempotency.idem_stats_counters()"))
+
+
+def bench_publish(cluster):
+    """8 clients enqueue for PUBLISH_SECONDS while the worker publishes to a
+    function; sample the backlog every second."""
+    backlog = []
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(1.0):
+            backlog.append(int(cluster.psql(
+                "SELECT count(*) FROM idempotency.outbox WHERE topic = 'published'")))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    tps, _ = cluster.pgbench("enqueue_published.sql", PUBLISH_SECONDS)
+    done.set()
+    sampler.join()
+    time.sleep(2)
+    drained = int(cluster.psql(
+        "SELECT count(*) FROM idempotency.outbox WHERE topic = 'published'"))
+    p50, p99 = (float(x) for x in cluster.psql(
+        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms) || '|' ||"
+        "       percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)"
+        " FROM (SELECT extract(epoch FROM published_at - created_at) * 1000 AS ms FROM sink) s"
+    ).split("|"))
+    half = len(backlog) // 2
+    first, second = backlog[:half] or [0], backlog[half:] or [0]
+    # flat: the second half's backlog is no larger than the first half's
+    # (allowing noise of a few batches), and it drains once enqueueing stops
+    keeps_up = max(second) <= max(first) * 1.5 + 100 and drained == 0
+    return {"tps": tps, "backlog_max": max(backlog or [0]), "backlog_last": (backlog or [0])[-1],
+            "drained": drained, "p50": p50, "p99": p99, "keeps_up": keeps_up}
+
+
+def fill_expired(cluster, table):
+    cluster.psql(f"""
+        INSERT INTO {table} (scope, key, attempt, status_code, body, ttl, created_at,
+                             completed_at, expires_at)
+        SELECT 'purge', n::text || '-' || clock_timestamp(), 1, 201, '{{"id": 1}}', '1 hour',
+               now() - interval '1 day', now() - interval '1 day', now() - interval '1 hour'
+        FROM generate_series(1, {PURGE_ROWS}) n""")
+
+
+def purge_cycle(cluster, foreground_seconds=None):
+    """Fill a million expired keys, let the worker purge them; returns the
+    rate, and the foreground tps measured meanwhile if asked."""
+    fill_expired(cluster, "idempotency.keys")
+    before = counter(cluster, "purged")
+    start = time.time()
+    foreground = None
+    if foreground_seconds:
+        foreground = cluster.pgbench("claim_complete.sql", foreground_seconds)[0]
+    while counter(cluster, "purged") - before < PURGE_ROWS:
+        time.sleep(0.05)
+    elapsed = time.time() - start
+    size = int(cluster.psql("SELECT pg_total_relation_size('idempotency.keys')"))
+    return PURGE_ROWS / elapsed, elapsed, size, foreground
+
+
+def main():
+    cluster = Cluster()
+    try:
+        machine = f"{os.cpu_count()} cores, {subprocess.run(['uname', '-sr'], capture_output=True, text=True).stdout.strip()}"
+        version = cluster.psql("SHOW server_version")
+        print(f"== idempotency benchmark: PostgreSQL {version}, {machine}")
+        print(f"   pgbench -M prepared, {CLIENTS} clients, {SECONDS} s, {ROUNDS} rounds alternating; median of rounds")
+        cluster.psql_file(os.path.join(HERE, "setup.sql"))
+        cluster.psql_file(os.path.join(HERE, "peers", "plpgsql.sql"))
+
+        summary = {}
+        header = f"{'workload':28} {'ours tps':>10} {'lat ms':>7} {'ref tps':>10} {'lat ms':>7} {'ratio':>6} {'bar':>5}"
+        print(header)
+        print("-" * len(header))
+        for name, ours, ref, bar in PAIRS:
+            median, ratio = compare(cluster, ours, ref)
+            summary[name] = round(ratio, 3)
+            print(f"{name:28} {median['ours'][0]:10.0f} {median['ours'][1]:7.2f} "
+                  f"{median['ref'][0]:10.0f} {median['ref'][1]:7.2f} {ratio:6.2f} "
+                  f"{'ok' if ratio >= bar else 'MISS':>5}", flush=True)
+
+        print("\n== claim + complete vs floor, other shapes (one round, 10 s, no bar)")
+        for label, kwargs in [("1 client", {"clients": 1}), ("32 clients", {"clients": 32}),
+                              ("8 clients, synchronous_commit off",
+                               {"options": "-c synchronous_commit=off"})]:
+            median, ratio = compare(cluster, "claim_complete.sql", "floor.sql", seconds=10,
+                                    rounds=1, **kwargs)
+            print(f"{label:36} ours {median['ours'][0]:8.0f} tps  floor {median['ref'][0]:8.0f} tps"
+                  f"  ratio {ratio:.2f}", flush=True)
+
+        print(f"\n== publishing: function route, 8 clients enqueue for {PUBLISH_SECONDS} s")
+        published = bench_publish(cluster)
+        print(f"enqueue {published['tps']:.0f} tps; backlog max {published['backlog_max']}, "
+              f"last {published['backlog_last']}, after 2 s {published['drained']}; "
+              f"commit->publish p50 {published['p50']:.1f} ms, p99 {published['p99']:.1f} ms; "
+              f"keeps up: {published['keeps_up']}", flush=True)
+        summary["publish_keeps_up"] = published["keeps_up"]
+        summary["publish_p50_ms"] = round(published["p50"], 2)
+        summary["publish_p99_ms"] = round(published["p99"], 2)
+
+        print(f"\n== purge: {PURGE_ROWS} expired keys, three fill/purge cycles")
+        cluster.psql("TRUNCATE idempotency.keys")
+        fill_expired(cluster, "bench_purge")
+        start = time.time()
+        cluster.psql("CALL plain_batched_delete(5000)")
+        plain_rate = PURGE_ROWS / (time.time() - start)
+        rate, elapsed, size1, _ = purge_cycle(cluster)
+        print(f"cycle 1: {rate:,.0f} rows/s ({elapsed:.1f} s); plain batched DELETE "
+              f"{plain_rate:,.0f} rows/s; size {size1 / 2**20:.0f} MB", flush=True)
+        seconds = max(3, round(elapsed))
+        baseline = cluster.pgbench("claim_complete.sql", seconds)[0]
+        rate2, elapsed2, size2, during = purge_cycle(cluster, foreground_seconds=seconds)
+        print(f"cycle 2: {rate2:,.0f} rows/s; claim+complete {during:.0f} tps during the purge, "
+              f"{baseline:.0f} tps without; size {size2 / 2**20:.0f} MB", flush=True)
+        rate3, elapsed3, size3, _ = purge_cycle(cluster)
+        print(f"cycle 3: {rate3:,.0f} rows/s; size {size3 / 2**20:.0f} MB "
+              f"({size3 / size1:.2f}x cycle 1)", flush=True)
+        summary["purge_rows_per_s"] = round(statistics.median([rate, rate2, rate3]))
+        summary["foreground_during_purge"] = round(during / baseline, 3)
+        summary["bloat_after_3_cycles"] = round(size3 / size1, 3)
+    finally:
+        cluster.stop()
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
