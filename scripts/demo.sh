@@ -156,7 +156,7 @@ section "the background worker publishes routed topics: a function of yours rece
 psql_demo <<'SQL'
 CREATE TABLE shipments (event_id bigint, order_no int, event text, published_at timestamptz DEFAULT clock_timestamp());
 CREATE FUNCTION ship(e idempotency.outbox) RETURNS void LANGUAGE sql AS $$
-  INSERT INTO shipments (event_id, order_no, event) VALUES (e.id, (e.payload->>'order')::int, e.payload->>'event')
+  INSERT INTO public.shipments (event_id, order_no, event) VALUES (e.id, (e.payload->>'order')::int, e.payload->>'event')
 $$;
 SELECT idempotency.idem_outbox_route('shipping', 'function', 'ship');
 BEGIN;

@@ -72,6 +72,40 @@ typedef bool CompatUpdateIndexes;
 #endif
 
 /*
+ * LogLogicalMessage() gained a flush argument in 17.
+ */
+#if PG_VERSION_NUM >= 170000
+#define compat_log_logical_message(prefix, message, size, transactional) \
+	LogLogicalMessage((prefix), (message), (size), (transactional), false)
+#else
+#define compat_log_logical_message(prefix, message, size, transactional) \
+	LogLogicalMessage((prefix), (message), (size), (transactional))
+#endif
+
+/*
+ * Before 15, a process that commits NOTIFYs outside the normal client loop
+ * (a background worker) must signal the listeners itself.
+ */
+#if PG_VERSION_NUM < 150000
+#include "commands/async.h"
+#define compat_process_completed_notifies() ProcessCompletedNotifies()
+#else
+#define compat_process_completed_notifies() ((void) 0)
+#endif
+
+/*
+ * Ownership checks on one object went through per-kind functions up to 15
+ * and object_ownercheck() from 16.
+ */
+#if PG_VERSION_NUM >= 160000
+#define compat_database_ownercheck(dboid, roleid) \
+	object_ownercheck(DatabaseRelationId, (dboid), (roleid))
+#else
+#define compat_database_ownercheck(dboid, roleid) \
+	pg_database_ownercheck((dboid), (roleid))
+#endif
+
+/*
  * Privilege checks on one object went through per-kind functions up to 15
  * and object_aclcheck() from 16.
  */

@@ -294,11 +294,11 @@ idem_define_gucs(void)
 	DefineCustomIntVariable("idempotency.publish_batch_size",
 							"Outbox rows the background worker publishes per transaction.",
 							"Each row is published in a subtransaction of its own; "
-							"keep this below 64 so that the batch's subtransactions "
-							"stay within the per-backend cache other sessions' "
+							"at most 64, so that a batch's subtransactions stay "
+							"within the per-backend cache that other sessions' "
 							"snapshots rely on.",
 							&idem_publish_batch_size,
-							32, 1, 10000,
+							32, 1, 64,
 							PGC_SIGHUP,
 							0,
 							NULL, NULL, NULL);

@@ -35,6 +35,7 @@
 #include "access/xact.h"
 #include "catalog/namespace.h"
 #include "commands/async.h"
+#include "replication/message.h"
 #include "catalog/pg_proc.h"
 #include "catalog/pg_type.h"
 #include "common/hashfn.h"
@@ -91,25 +92,42 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
 	"greatest(" min ", least(" max ", " min " * power(2, least(" attempts " - 1, 30)))" \
 	" * (0.5 + random() / 2))"
 
+/*
+ * The worker's candidates, in two steps.  First the ids: ready pending rows
+ * of the routed topics, oldest first, skipping rows another transaction
+ * holds (SKIP LOCKED), and leaving out rows held back by an earlier row of
+ * their key that cannot go out now (leased, dead, or waiting for its
+ * backoff) -- without that, a key stuck behind a dead row would fill every
+ * batch and starve the other keys.  Then, for those few rows only, the route,
+ * the message, and the id of the unpublished row of the key just before
+ * each, which the C loop checks (see outbox_publish_batch).
+ */
 #define PUBLISH_CANDIDATES_SQL(topic_filter) \
-	"SELECT o AS event, o.id, r.target, r.destination, r.run_as," \
-	"       json_build_object('id', o.id, 'topic', o.topic, 'key', o.key," \
-	"                         'payload', o.payload, 'headers', o.headers," \
-	"                         'created_at', o.created_at)::text AS message," \
-	"       json_build_object('id', o.id, 'topic', o.topic, 'key', o.key," \
-	"                         'truncated', true)::text AS reference," \
-	"       (SELECT max(e.id) FROM idempotency.outbox e" \
-	"        WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
-	"          AND e.state <> 'published') AS previous_id" \
-	" FROM idempotency.outbox o" \
+	"WITH picked AS (" \
+	"  SELECT o.id FROM idempotency.outbox o" \
+	"  WHERE o.state = 'pending' AND o.available_at <= $1 AND " topic_filter \
+	"    AND NOT EXISTS (SELECT FROM idempotency.outbox e" \
+	"                    WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
+	"                      AND e.state <> 'published'" \
+	"                      AND NOT (e.state = 'pending' AND e.available_at <= $1))" \
+	"  ORDER BY o.id LIMIT $2" \
+	"  FOR UPDATE OF o SKIP LOCKED)" \
+	" SELECT o AS event, o.id, r.target, r.destination, r.run_as," \
+	"        json_build_object('id', o.id, 'topic', o.topic, 'key', o.key," \
+	"                          'payload', o.payload, 'headers', o.headers," \
+	"                          'created_at', o.created_at)::text AS message," \
+	"        json_build_object('id', o.id, 'topic', o.topic, 'key', o.key," \
+	"                          'truncated', true)::text AS reference," \
+	"        (SELECT max(e.id) FROM idempotency.outbox e" \
+	"         WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
+	"           AND e.state <> 'published') AS previous_id" \
+	" FROM picked p JOIN idempotency.outbox o ON o.id = p.id" \
 	" CROSS JOIN LATERAL (SELECT rt.target, rt.destination, rt.run_as" \
 	"                     FROM idempotency.outbox_routes rt" \
 	"                     WHERE rt.topic = o.topic OR rt.topic = '*'" \
 	"                     ORDER BY rt.topic = '*' LIMIT 1) r" \
-	" WHERE o.state = 'pending' AND o.available_at <= $1 AND " topic_filter \
-	"   AND r.target <> 'none'" \
-	" ORDER BY o.id LIMIT $2" \
-	" FOR UPDATE OF o SKIP LOCKED"
+	" WHERE r.target <> 'none'" \
+	" ORDER BY o.id"
 
 typedef enum OutboxStatement
 {
@@ -230,15 +248,9 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	},
 
 	/*
-	 * The background worker's next batch: ready rows of routed topics, oldest
-	 * first, each with its route, its message (the row as JSON, and a short
-	 * reference for NOTIFY payloads that would be too long), and the id of
-	 * the unpublished row of its key just before it, if any.  A row goes out
-	 * only if that one is gone or was published earlier in the same batch:
-	 * that is what keeps a key in order even when another transaction holds
-	 * one of its rows (SKIP LOCKED then leaves it out, and its successors
-	 * wait).  $1 now, $2 batch size, $3 topics: the routed topics when there
-	 * is no default route (so that the scan stays on their part of the
+	 * The background worker's next batch (see PUBLISH_CANDIDATES_SQL): $1
+	 * now, $2 batch size, $3 topics: the routed topics when there is no
+	 * default route (so that the scan stays on their part of the
 	 * outbox_ready index), the topics routed to none when there is one.
 	 */
 	[STMT_PUBLISH_CANDIDATES_IN] = {
@@ -772,7 +784,7 @@ call_route_function(const char *signature, Oid run_as, Datum event)
 	SetUserIdAndSecContext(run_as, saved_sec_context |
 						   SECURITY_LOCAL_USERID_CHANGE | SECURITY_RESTRICTED_OPERATION);
 	guc_nest_level = NewGUCNestLevel();
-	(void) set_config_option("search_path", GetConfigOptionResetString("search_path"),
+	(void) set_config_option("search_path", "pg_catalog, pg_temp",
 							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
 							 true, 0, false);
 	fmgr_info(funcoid, &flinfo);
@@ -780,7 +792,7 @@ call_route_function(const char *signature, Oid run_as, Datum event)
 	fcinfo->args[0].value = event;
 	fcinfo->args[0].isnull = false;
 	(void) FunctionCallInvoke(fcinfo);	/* its result, NULL or not, is ignored */
-	AtEOXact_GUC(true, guc_nest_level);
+	AtEOXact_GUC(false, guc_nest_level);
 	SetUserIdAndSecContext(saved_userid, saved_sec_context);
 }
 
@@ -792,10 +804,8 @@ publish_one(const Candidate *candidate)
 					 strlen(candidate->message) <= NOTIFY_PAYLOAD_LIMIT ?
 					 candidate->message : candidate->reference);
 	else if (strcmp(candidate->target, "logical") == 0)
-		(void) DirectFunctionCall3(pg_logical_emit_message_text,
-								   BoolGetDatum(true),
-								   CStringGetTextDatum(candidate->destination),
-								   CStringGetTextDatum(candidate->message));
+		(void) compat_log_logical_message(candidate->destination, candidate->message,
+										  strlen(candidate->message), true);
 	else if (strcmp(candidate->target, "function") == 0)
 		call_route_function(candidate->destination, candidate->run_as, candidate->event);
 	else
@@ -829,7 +839,13 @@ try_publish(const Candidate *candidate, MemoryContext keep)
 		edata = CopyErrorData();
 		FlushErrorState();
 		RollbackAndReleaseCurrentSubTransaction();
-		error = edata->message;
+
+		/* a cancel or a shutdown is not the row's fault: let it through */
+		if (edata->sqlerrcode == ERRCODE_QUERY_CANCELED ||
+			edata->sqlerrcode == ERRCODE_ADMIN_SHUTDOWN ||
+			edata->sqlerrcode == ERRCODE_OUT_OF_MEMORY)
+			ReThrowError(edata);
+		error = edata->message != NULL ? edata->message : pstrdup("unknown error");
 	}
 	PG_END_TRY();
 	MemoryContextSwitchTo(caller);

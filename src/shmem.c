@@ -18,6 +18,8 @@
 #include <signal.h>
 
 #include "access/xact.h"
+#include "catalog/pg_database.h"
+#include "utils/acl.h"
 #include "commands/dbcommands.h"
 #include "commands/defrem.h"
 #include "funcapi.h"
@@ -236,6 +238,26 @@ idem_launcher_forget_database(Oid dboid)
 	LWLockRelease(shared->lock);
 }
 
+/*
+ * Free the slots of databases that no longer exist (and have no worker):
+ * counters are kept by any backend that counts, so slots are taken for
+ * databases the launcher never served too.
+ */
+void
+idem_launcher_free_slots_except(List *present_oids)
+{
+	LWLockAcquire(shared->lock, LW_EXCLUSIVE);
+	for (int i = 0; i < shared->nslots; i++)
+	{
+		IdemDatabaseSlot *slot = &shared->slots[i];
+
+		if (OidIsValid(slot->dboid) && slot->worker_pid == 0 &&
+			!list_member_oid(present_oids, slot->dboid))
+			slot->dboid = InvalidOid;
+	}
+	LWLockRelease(shared->lock);
+}
+
 static void
 at_transaction_end(XactEvent event, void *arg)
 {
@@ -252,13 +274,14 @@ at_transaction_end(XactEvent event, void *arg)
 		Latch	   *worker_latch = NULL;
 		Latch	   *launcher_latch = NULL;
 
-		LWLockAcquire(shared->lock, LW_EXCLUSIVE);
+		LWLockAcquire(shared->lock, wake_launcher_at_commit ? LW_EXCLUSIVE : LW_SHARED);
 		if (slot != NULL && wake_worker_at_commit)
 			worker_latch = slot->worker_latch;
 		if (slot != NULL && wake_launcher_at_commit)
 		{
 			/* the extension was just created here: serve this database */
 			slot->extension_absent = false;
+			slot->extension_generation++;
 			launcher_latch = shared->launcher_latch;
 		}
 		LWLockRelease(shared->lock);
@@ -309,7 +332,13 @@ pause_worker(const char *dbname)
 	IdemDatabaseSlot *slot = idem_database_slot(dboid, false);
 	pid_t		pid;
 
-	if (slot == NULL)
+	/*
+	 * Only for a command that can succeed: these cannot run in a transaction
+	 * block, and need the database's owner (or a superuser).  Anyone else
+	 * would only be able to stop the worker.
+	 */
+	if (slot == NULL || IsTransactionBlock() ||
+		!compat_database_ownercheck(dboid, GetUserId()))
 		return;
 
 	LWLockAcquire(shared->lock, LW_EXCLUSIVE);

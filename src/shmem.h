@@ -13,6 +13,7 @@
 #define IDEMPOTENCY_SHMEM_H
 
 #include "datatype/timestamp.h"
+#include "nodes/pg_list.h"
 #include "port/atomics.h"
 #include "storage/latch.h"
 #include "storage/lwlock.h"
@@ -43,6 +44,7 @@ typedef struct IdemDatabaseSlot
 	pid_t		worker_pid;		/* the database's worker, or 0 */
 	Latch	   *worker_latch;	/* its latch: set to wake it at once */
 	bool		extension_absent;	/* its worker found no extension here */
+	uint32		extension_generation;	/* bumped by each CREATE EXTENSION */
 	TimestampTz paused_until;	/* no worker before this (DROP DATABASE) */
 	TimestampTz last_round;		/* when the worker last finished a round */
 	pg_atomic_uint64 counters[IDEM_NUM_COUNTERS];
@@ -58,6 +60,7 @@ extern void idem_count(IdemCounter counter, uint64 n);
 /* The launcher's side of the registry. */
 extern void idem_launcher_attach(void);
 extern void idem_launcher_forget_database(Oid dboid);
+extern void idem_launcher_free_slots_except(List *present_oids);
 extern int	idem_max_databases_slots(void);
 
 /* Ask, from any backend, for something to happen when its transaction commits. */

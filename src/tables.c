@@ -496,7 +496,8 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 	}
 
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());
-	scan = table_beginscan(heap, snapshot, 0, NULL);
+	/* no synchronized scan: the walk must start where the last batch ended */
+	scan = table_beginscan_strat(heap, snapshot, 0, NULL, true, false);
 	heap_setscanlimits(scan, start, nblocks - start);
 	while ((tuple = heap_getnext(scan, ForwardScanDirection)) != NULL)
 	{

@@ -60,11 +60,13 @@
 #include "storage/lwlock.h"
 #include "tcop/tcopprot.h"
 #include "utils/builtins.h"
+#include "utils/guc.h"
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
 #include "utils/timestamp.h"
 #include "utils/varlena.h"
 
+#include "compat.h"
 #include "guc.h"
 #include "maintenance.h"
 #include "shmem.h"
@@ -167,6 +169,7 @@ scan_databases(void)
 	TableScanDesc scan;
 	HeapTuple	tuple;
 	ListCell   *lc;
+	List	   *present_oids = NIL;
 
 	foreach(lc, known_databases)
 		((KnownDatabase *) lfirst(lc))->present = false;
@@ -183,7 +186,10 @@ scan_databases(void)
 		Form_pg_database pgdb = (Form_pg_database) GETSTRUCT(tuple);
 		KnownDatabase *db;
 
-		if (!pgdb->datallowconn || pgdb->datistemplate ||
+		present_oids = lappend_oid(present_oids, pgdb->oid);
+
+		/* datconnlimit -2 marks a database an interrupted DROP left invalid */
+		if (!pgdb->datallowconn || pgdb->datistemplate || pgdb->datconnlimit == -2 ||
 			!database_allowed(NameStr(pgdb->datname)))
 			continue;
 
@@ -204,8 +210,11 @@ scan_databases(void)
 	table_endscan(scan);
 	table_close(rel, AccessShareLock);
 
+	/* counters of databases that are gone, wherever they came from */
+	idem_launcher_free_slots_except(present_oids);
+
 	PopActiveSnapshot();
-	CommitTransactionCommand();
+	CommitTransactionCommand();	/* frees present_oids with the rest */
 	pgstat_report_activity(STATE_IDLE, NULL);
 }
 
@@ -370,6 +379,28 @@ detach_worker(int code, Datum arg)
 	LWLockRelease(idem_shmem_lock());
 }
 
+/*
+ * Settings a database or role could give the worker that would weaken what
+ * it promises: an asynchronous commit lets a NOTIFY out before the commit
+ * that removes its row is durable, so a crash would publish the row twice;
+ * the others would make batches fail or time out.
+ */
+static void
+pin_worker_settings(void)
+{
+	static const char *const pinned[][2] = {
+		{"synchronous_commit", "on"},
+		{"default_transaction_isolation", "read committed"},
+		{"default_transaction_read_only", "off"},
+		{"statement_timeout", "0"},
+		{"lock_timeout", "0"},
+		{"idle_in_transaction_session_timeout", "0"},
+	};
+
+	for (size_t i = 0; i < lengthof(pinned); i++)
+		SetConfigOption(pinned[i][0], pinned[i][1], PGC_SUSET, PGC_S_OVERRIDE);
+}
+
 /* Every message of the worker says which database it serves. */
 static void
 worker_error_context(void *arg)
@@ -418,6 +449,7 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 		more = maintenance_batch(unit, cursor, &counts);
 		PopActiveSnapshot();
 		CommitTransactionCommand();
+		compat_process_completed_notifies();
 	}
 	PG_CATCH();
 	{
@@ -477,12 +509,16 @@ idem_worker_main(Datum main_arg)
 	pqsignal(SIGTERM, die);
 	BackgroundWorkerUnblockSignals();
 
-	/* one worker per database: leave if another one already serves it */
+	/*
+	 * One worker per database: leave if another one already serves it, or
+	 * if the database is being dropped.
+	 */
 	my_slot = idem_database_slot(dboid, true);
 	if (my_slot == NULL)
 		proc_exit(0);
 	LWLockAcquire(idem_shmem_lock(), LW_EXCLUSIVE);
-	if (my_slot->worker_pid != 0 && kill(my_slot->worker_pid, 0) == 0)
+	if ((my_slot->worker_pid != 0 && kill(my_slot->worker_pid, 0) == 0) ||
+		my_slot->paused_until > GetCurrentTimestamp())
 	{
 		LWLockRelease(idem_shmem_lock());
 		proc_exit(0);
@@ -495,6 +531,7 @@ idem_worker_main(Datum main_arg)
 
 	BackgroundWorkerInitializeConnectionByOid(dboid, InvalidOid, 0);
 	pgstat_report_appname("idempotency worker");
+	pin_worker_settings();
 
 	error_context.callback = worker_error_context;
 	error_context.arg = NULL;
@@ -505,6 +542,7 @@ idem_worker_main(Datum main_arg)
 	for (;;)
 	{
 		long		sleep_ms;
+		uint32		generation;
 
 		CHECK_FOR_INTERRUPTS();
 		if (ConfigReloadPending)
@@ -513,11 +551,25 @@ idem_worker_main(Datum main_arg)
 			ProcessConfigFile(PGC_SIGHUP);
 		}
 
+		LWLockAcquire(idem_shmem_lock(), LW_SHARED);
+		generation = my_slot->extension_generation;
+		LWLockRelease(idem_shmem_lock());
 		if (!extension_installed())
 		{
+			bool		created_meanwhile;
+
+			/*
+			 * Gone, unless a CREATE EXTENSION committed after our look (it
+			 * bumps the generation): then look again rather than leave the
+			 * database unserved.
+			 */
 			LWLockAcquire(idem_shmem_lock(), LW_EXCLUSIVE);
-			my_slot->extension_absent = true;
+			created_meanwhile = my_slot->extension_generation != generation;
+			if (!created_meanwhile)
+				my_slot->extension_absent = true;
 			LWLockRelease(idem_shmem_lock());
+			if (created_meanwhile)
+				continue;
 			proc_exit(0);
 		}
 
@@ -535,7 +587,7 @@ idem_worker_main(Datum main_arg)
 			my_slot->last_round = last_purge;
 			LWLockRelease(idem_shmem_lock());
 		}
-		pgstat_report_stat(true);
+		pgstat_report_stat(false);
 
 		sleep_ms = idem_naptime_ms -
 			TimestampDifferenceMilliseconds(last_purge, GetCurrentTimestamp());

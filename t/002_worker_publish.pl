@@ -27,7 +27,7 @@ $node->safe_psql('postgres', q{
 	CREATE TABLE sink (seq bigserial, id bigint, topic text, key text,
 	                   created_at timestamptz, published_at timestamptz);
 	CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE sql AS $$
-		INSERT INTO sink (id, topic, key, created_at, published_at)
+		INSERT INTO public.sink (id, topic, key, created_at, published_at)
 		VALUES (e.id, e.topic, e.key, e.created_at, clock_timestamp())
 	$$;
 	CREATE FUNCTION always_fails(e idempotency.outbox) RETURNS void LANGUAGE plpgsql AS $$
@@ -142,6 +142,35 @@ ok($node->safe_psql('postgres', "SELECT publish_failures >= 3 AND published >= 2
 is($node->safe_psql('postgres',
 		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'"),
 	$worker_pid, 'the worker survived the failures');
+
+# --- a key stuck behind a dead row does not starve the other keys, even when
+# its rows fill whole batches
+$node->safe_psql('postgres', q{
+	SELECT idempotency.idem_outbox_enqueue('bad', jsonb_build_object('n', n), 'poison')
+	FROM generate_series(3, 80) n;
+	SELECT idempotency.idem_outbox_enqueue('fast', jsonb_build_object('n', n), 'key-' || n)
+	FROM generate_series(7, 11) n;
+});
+wait_published('fast');
+pass('rows of other keys are published past 78 rows held back by a dead one');
+
+# --- a route function runs with search_path pinned, and what it SETs does
+# not stick to the worker
+$node->safe_psql('postgres', q{
+	CREATE FUNCTION meddle(e idempotency.outbox) RETURNS void LANGUAGE plpgsql AS $$
+	BEGIN
+		INSERT INTO public.sink (id, topic, key) VALUES (e.id, e.topic, current_setting('search_path'));
+		PERFORM set_config('default_transaction_read_only', 'on', false);
+	END $$;
+	SELECT idempotency.idem_outbox_route('meddle', 'function', 'meddle');
+	SELECT idempotency.idem_outbox_enqueue('meddle', '{}');
+});
+wait_published('meddle');
+is($node->safe_psql('postgres', "SELECT key FROM sink WHERE topic = 'meddle'"),
+	'pg_catalog, pg_temp', 'route functions see search_path pg_catalog, pg_temp');
+$node->safe_psql('postgres', "SELECT idempotency.idem_outbox_enqueue('fast', '{\"after\": \"meddle\"}')");
+wait_published('fast');
+pass('a setting changed by a route function did not stick to the worker');
 
 # --- SIGHUP: a changed setting is honoured without a restart
 $node->safe_psql('postgres', "ALTER SYSTEM SET idempotency.outbox_retention = '1h'");

@@ -24,7 +24,7 @@ my $setup = q{
 	CREATE EXTENSION idempotency;
 	CREATE TABLE sink (id bigint);
 	CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE sql AS
-		'INSERT INTO sink VALUES (e.id)';
+		'INSERT INTO public.sink VALUES (e.id)';
 	SELECT idempotency.idem_outbox_route('*', 'function', 'sink_it');
 };
 $node->safe_psql('postgres', $setup);

@@ -20,7 +20,7 @@ $primary->safe_psql('postgres', q{
 	CREATE EXTENSION idempotency;
 	CREATE TABLE sink (id bigint);
 	CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE sql AS
-		'INSERT INTO sink VALUES (e.id)';
+		'INSERT INTO public.sink VALUES (e.id)';
 });
 $primary->backup('backup');
 

@@ -22,7 +22,7 @@ $node->safe_psql('postgres', q{
 	CREATE EXTENSION idempotency;
 	CREATE TABLE sink (id bigint);
 	CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE sql AS
-		'INSERT INTO sink VALUES (e.id)';
+		'INSERT INTO public.sink VALUES (e.id)';
 	SELECT idempotency.idem_outbox_route('to_function', 'function', 'sink_it');
 	SELECT idempotency.idem_outbox_route('to_wal', 'logical', 'crash.test');
 	SELECT pg_create_logical_replication_slot('crash_slot', 'test_decoding');

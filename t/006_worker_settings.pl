@@ -22,7 +22,7 @@ like($err, qr/HINT:  Add idempotency to shared_preload_libraries/, 'with a hint'
 $plain->safe_psql('postgres', q{
 	CREATE TABLE sink (id bigint);
 	CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE sql AS
-		'INSERT INTO sink VALUES (e.id)';
+		'INSERT INTO public.sink VALUES (e.id)';
 	SELECT idempotency.idem_outbox_route('t', 'function', 'sink_it');
 	SELECT idempotency.idem_outbox_enqueue('t', '{}') FROM generate_series(1, 3);
 	SELECT idempotency.idem_claim('s', 'k', ttl => '1 ms');
