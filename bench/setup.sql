@@ -21,9 +21,10 @@ CREATE TABLE bench_outbox (LIKE idempotency.outbox INCLUDING ALL);
 
 -- the worker's publishing target
 CREATE TABLE sink (id bigint, created_at timestamptz, published_at timestamptz);
-CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE sql AS $$
-	INSERT INTO public.sink VALUES (e.id, e.created_at, clock_timestamp())
-$$;
+CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+	INSERT INTO public.sink VALUES (e.id, e.created_at, clock_timestamp());
+END $$;
 SELECT idempotency.idem_outbox_route('published', 'function', 'sink_it');
 
 -- a plain batched DELETE, for the purge's reference figure

@@ -32,7 +32,7 @@ int			idem_outbox_max_attempts = 10;
 int			idem_outbox_retention_s = 0;
 int			idem_naptime_ms = 1000;
 int			idem_purge_batch_size = 5000;
-int			idem_publish_batch_size = 32;
+int			idem_publish_batch_size = 100;
 char	   *idem_databases = NULL;
 int			idem_max_databases = 32;
 
@@ -293,12 +293,11 @@ idem_define_gucs(void)
 
 	DefineCustomIntVariable("idempotency.publish_batch_size",
 							"Outbox rows the background worker publishes per transaction.",
-							"Each row is published in a subtransaction of its own; "
-							"at most 64, so that a batch's subtransactions stay "
-							"within the per-backend cache that other sessions' "
-							"snapshots rely on.",
+							"A batch publishes its rows in one transaction; if one "
+							"of them fails, the rows are tried again one "
+							"subtransaction each, at most 32 per transaction.",
 							&idem_publish_batch_size,
-							32, 1, 64,
+							100, 1, 10000,
 							PGC_SIGHUP,
 							0,
 							NULL, NULL, NULL);

@@ -37,6 +37,8 @@ maintenance_cursor_init(MaintenanceCursor *cursor)
 {
 	for (int unit = 0; unit < NUM_MAINTENANCE_UNITS; unit++)
 		cursor->next_block[unit] = InvalidBlockNumber;
+	cursor->publish_carefully = false;
+	cursor->last_publish_was_fast = false;
 }
 
 /*
@@ -71,14 +73,22 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 				uint64		published;
 				uint64		failed;
 				uint64		looked_at;
+				bool		careful = cursor->publish_carefully;
+				int			limit = careful ?
+					Min(idem_publish_batch_size, CAREFUL_PUBLISH_BATCH) :
+					idem_publish_batch_size;
 
-				looked_at = outbox_publish_batch(now, idem_publish_batch_size,
+				/* if this batch fails the fast way, the next goes carefully */
+				cursor->publish_carefully = true;
+				cursor->last_publish_was_fast = !careful;
+				looked_at = outbox_publish_batch(now, limit, careful,
 												 &published, &failed);
+				cursor->publish_carefully = false;
 				counts->published += published;
 				counts->publish_failures += failed;
 				idem_count(IDEM_COUNTER_PUBLISHED, published);
 				idem_count(IDEM_COUNTER_PUBLISH_FAILURES, failed);
-				more = looked_at == (uint64) idem_publish_batch_size && published > 0;
+				more = looked_at == (uint64) limit && (published > 0 || careful);
 				return more;
 			}
 		case NUM_MAINTENANCE_UNITS:
@@ -112,6 +122,7 @@ idem_run_maintenance(PG_FUNCTION_ARGS)
 
 	memset(&counts, 0, sizeof(counts));
 	maintenance_cursor_init(&cursor);
+	cursor.publish_carefully = true;	/* no one here to retry a failed batch */
 	for (int unit = 0; unit < NUM_MAINTENANCE_UNITS; unit++)
 		(void) maintenance_batch((MaintenanceUnit) unit, &cursor, &counts);
 

@@ -21,11 +21,20 @@ typedef enum MaintenanceUnit
 	NUM_MAINTENANCE_UNITS
 } MaintenanceUnit;
 
-/* Where each purge's walk over its heap stands, between batches. */
+/*
+ * Where the work stands between batches: each purge's walk over its heap,
+ * and whether the next publish batch must go carefully (a row in it failed
+ * the fast way).
+ */
 typedef struct MaintenanceCursor
 {
 	BlockNumber next_block[NUM_MAINTENANCE_UNITS];
+	bool		publish_carefully;
+	bool		last_publish_was_fast;	/* so a failed one is retried at once */
 } MaintenanceCursor;
+
+/* Rows per careful publish batch: each takes a subtransaction. */
+#define CAREFUL_PUBLISH_BATCH	32
 
 /* What a batch did. */
 typedef struct MaintenanceCounts

@@ -857,14 +857,15 @@ try_publish(const Candidate *candidate, MemoryContext keep)
  * Publish up to limit ready rows, in the current transaction: each row's
  * publication (NOTIFY, logical message, or the function's work) commits
  * together with the row's removal or its "published" mark, so that it
- * happens exactly once even if the server stops in between.  Rows whose
- * route fails are retried later with backoff, and held back with the rest of
- * their key.  Returns the number of candidates looked at (limit means there
+ * happens exactly once even if the server stops in between.  Carefully,
+ * each row in a subtransaction of its own, rows whose route fails are
+ * recorded and retried later with backoff, held back with the rest of their
+ * key; otherwise a failure raises the ERROR and the caller retries carefully.  Returns the number of candidates looked at (limit means there
  * may be more); *published and *failed say what came of them.
  */
 uint64
-outbox_publish_batch(TimestampTz now, int limit, uint64 *published_count,
-					 uint64 *failed_count)
+outbox_publish_batch(TimestampTz now, int limit, bool careful,
+					 uint64 *published_count, uint64 *failed_count)
 {
 	MemoryContext batch_context = CurrentMemoryContext;
 	OutboxSqlContext context;
@@ -959,7 +960,19 @@ outbox_publish_batch(TimestampTz now, int limit, uint64 *published_count,
 			!published_earlier(published, npublished, candidate->previous_id))
 			continue;
 
-		error = try_publish(candidate, batch_context);
+		/*
+		 * The fast way publishes straight into the batch's transaction: an
+		 * ERROR aborts the whole batch, nothing of it is published, and the
+		 * caller tries again carefully.  The careful way gives each row a
+		 * subtransaction, so that a failure undoes only that row's attempt.
+		 */
+		if (careful)
+			error = try_publish(candidate, batch_context);
+		else
+		{
+			publish_one(candidate);
+			error = NULL;
+		}
 		if (error == NULL)
 		{
 			published[npublished++] = candidate->id;

@@ -21,7 +21,7 @@ typedef struct OutboxSqlContext
 extern void outbox_sql_begin(OutboxSqlContext *context);
 extern void outbox_sql_end(OutboxSqlContext *context);
 
-extern uint64 outbox_publish_batch(TimestampTz now, int limit,
+extern uint64 outbox_publish_batch(TimestampTz now, int limit, bool careful,
 								   uint64 *published, uint64 *failed);
 extern uint64 outbox_purge_published(TimestampTz now, int limit);
 

@@ -458,7 +458,9 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 		AbortCurrentTransaction();
 		FlushErrorState();
 		RESUME_INTERRUPTS();
-		more = false;
+
+		/* a publish batch that failed the fast way is retried carefully at once */
+		more = unit == UNIT_PUBLISH && cursor->last_publish_was_fast;
 	}
 	PG_END_TRY();
 
