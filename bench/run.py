@@ -11,6 +11,7 @@ and purging a million expired keys.  The last line printed is one JSON
 object with the headline ratios (ours / reference: higher is better).
 
 Environment: BENCH_SECONDS, BENCH_ROUNDS, BENCH_PUBLISH_SECONDS, BENCH_PURGE_ROWS,
+BENCH_PARTS (a subset of pairs,shapes,publish,purge),
 PG_CONFIG.
 """
 
@@ -34,6 +35,7 @@ PUBLISH_SECONDS = int(os.environ.get("BENCH_PUBLISH_SECONDS", "60"))
 CLIENTS = 8
 THREADS = 2
 PURGE_ROWS = int(os.environ.get("BENCH_PURGE_ROWS", "1000000"))
+PARTS = os.environ.get("BENCH_PARTS", "pairs,shapes,publish,purge").split(",")
 
 # (name in the JSON, our script, the reference script, the bar)
 PAIRS = [
@@ -201,6 +203,8 @@ def main():
         cluster.psql_file(os.path.join(HERE, "peers", "plpgsql.sql"))
 
         summary = {}
+        if "pairs" not in PARTS:
+            PAIRS.clear()
         header = f"{'workload':28} {'ours tps':>10} {'lat ms':>7} {'ref tps':>10} {'lat ms':>7} {'ratio':>6} {'bar':>5}"
         print(header)
         print("-" * len(header))
@@ -212,7 +216,7 @@ def main():
                   f"{'ok' if ratio >= bar else 'MISS':>5}", flush=True)
 
         print("\n== claim + complete vs floor, other shapes (one round, 10 s, no bar)")
-        for label, kwargs in [("1 client", {"clients": 1}), ("32 clients", {"clients": 32}),
+        for label, kwargs in [] if "shapes" not in PARTS else [("1 client", {"clients": 1}), ("32 clients", {"clients": 32}),
                               ("8 clients, synchronous_commit off",
                                {"options": "-c synchronous_commit=off"})]:
             median, ratio = compare(cluster, "claim_complete.sql", "floor.sql", seconds=10,
@@ -220,6 +224,9 @@ def main():
             print(f"{label:36} ours {median['ours'][0]:8.0f} tps  floor {median['ref'][0]:8.0f} tps"
                   f"  ratio {ratio:.2f}", flush=True)
 
+        if "publish" not in PARTS:
+            print(json.dumps(summary))
+            return
         print(f"\n== publishing: function route, 8 clients enqueue for {PUBLISH_SECONDS} s")
         published = bench_publish(cluster)
         print(f"enqueue {published['tps']:.0f} tps; backlog max {published['backlog_max']}, "
@@ -230,6 +237,9 @@ def main():
         summary["publish_p50_ms"] = round(published["p50"], 2)
         summary["publish_p99_ms"] = round(published["p99"], 2)
 
+        if "purge" not in PARTS:
+            print(json.dumps(summary))
+            return
         print(f"\n== purge: {PURGE_ROWS} expired keys, three fill/purge cycles")
         while int(cluster.psql("SELECT count(*) FROM idempotency.outbox WHERE topic = 'published'")):
             time.sleep(1)    # the publishing backlog, if any, goes first

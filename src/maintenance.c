@@ -88,7 +88,7 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 				counts->publish_failures += failed;
 				idem_count(IDEM_COUNTER_PUBLISHED, published);
 				idem_count(IDEM_COUNTER_PUBLISH_FAILURES, failed);
-				more = looked_at == (uint64) limit && (published > 0 || careful);
+				more = looked_at >= (uint64) limit && (published > 0 || careful);
 				return more;
 			}
 		case NUM_MAINTENANCE_UNITS:

@@ -139,7 +139,7 @@ typedef enum OutboxStatement
 	STMT_REQUEUE,
 	STMT_DISCARD,
 	STMT_ROUTE,
-	STMT_PUBLISH_CANDIDATES_IN,
+	STMT_PUBLISH_CANDIDATES_TOPIC,
 	STMT_PUBLISH_CANDIDATES_EXCEPT,
 	STMT_ROUTES,
 	STMT_MARK_PUBLISHED_DELETE,
@@ -249,13 +249,14 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 
 	/*
 	 * The background worker's next batch (see PUBLISH_CANDIDATES_SQL): $1
-	 * now, $2 batch size, $3 topics: the routed topics when there is no
-	 * default route (so that the scan stays on their part of the
-	 * outbox_ready index), the topics routed to none when there is one.
+	 * now, $2 batch size, and $3: one routed topic, when there is no default
+	 * route (one query per topic, so that each reads its part of the
+	 * outbox_ready index in id order and stops at the limit, however long the
+	 * backlog), or the topics routed to none, when there is one.
 	 */
-	[STMT_PUBLISH_CANDIDATES_IN] = {
-		PUBLISH_CANDIDATES_SQL("o.topic = ANY ($3)"),
-		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
+	[STMT_PUBLISH_CANDIDATES_TOPIC] = {
+		PUBLISH_CANDIDATES_SQL("o.topic = $3"),
+		3, {TIMESTAMPTZOID, INT4OID, TEXTOID}
 	},
 	[STMT_PUBLISH_CANDIDATES_EXCEPT] = {
 		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3)"),
@@ -854,6 +855,40 @@ try_publish(const Candidate *candidate, MemoryContext keep)
 }
 
 /*
+ * Append the candidates of the last statement to the array, copying what the
+ * loop needs out of SPI's result before more SQL runs.
+ */
+static void
+copy_candidates(uint64 count, Candidate *candidates, uint64 *ncandidates,
+				MemoryContext keep)
+{
+	TupleDesc	desc = SPI_tuptable->tupdesc;
+	MemoryContext spi_context = MemoryContextSwitchTo(keep);
+
+	for (uint64 i = 0; i < count; i++)
+	{
+		HeapTuple	tuple = SPI_tuptable->vals[i];
+		Candidate  *candidate = &candidates[(*ncandidates)++];
+		bool		isnull;
+
+		candidate->event = datumCopy(SPI_getbinval(tuple, desc, CANDIDATE_EVENT, &isnull),
+									 false, -1);
+		candidate->id = DatumGetInt64(SPI_getbinval(tuple, desc, CANDIDATE_ID, &isnull));
+		candidate->target = candidate_text(tuple, desc, CANDIDATE_TARGET);
+		candidate->destination = candidate_text(tuple, desc, CANDIDATE_DESTINATION);
+		candidate->run_as = DatumGetObjectId(SPI_getbinval(tuple, desc, CANDIDATE_RUN_AS, &isnull));
+		if (isnull)
+			candidate->run_as = InvalidOid;
+		candidate->message = candidate_text(tuple, desc, CANDIDATE_MESSAGE);
+		candidate->reference = candidate_text(tuple, desc, CANDIDATE_REFERENCE);
+		candidate->previous_id = DatumGetInt64(SPI_getbinval(tuple, desc, CANDIDATE_PREVIOUS_ID,
+															  &isnull));
+		candidate->has_previous = !isnull;
+	}
+	MemoryContextSwitchTo(spi_context);
+}
+
+/*
  * Publish up to limit ready rows, in the current transaction: each row's
  * publication (NOTIFY, logical message, or the function's work) commits
  * together with the row's removal or its "published" mark, so that it
@@ -874,7 +909,7 @@ outbox_publish_batch(TimestampTz now, int limit, bool careful,
 	Candidate  *candidates;
 	int64	   *published;
 	int			npublished = 0;
-	uint64		ncandidates;
+	uint64		ncandidates = 0;
 
 	*published_count = *failed_count = 0;
 	outbox_sql_begin(&context);
@@ -912,41 +947,27 @@ outbox_publish_batch(TimestampTz now, int limit, bool careful,
 			outbox_sql_end(&context);
 			return 0;
 		}
+		candidates = MemoryContextAlloc(batch_context, sizeof(Candidate) * limit * Max(nrouted, 1));
 		values[0] = TimestampTzGetDatum(now);
 		values[1] = Int32GetDatum(limit);
-		values[2] = PointerGetDatum(default_routed ?
-									construct_array(unrouted, nunrouted, TEXTOID, -1, false, TYPALIGN_INT) :
-									construct_array(routed, nrouted, TEXTOID, -1, false, TYPALIGN_INT));
-		ncandidates = outbox_sql_run(default_routed ?
-									 STMT_PUBLISH_CANDIDATES_EXCEPT : STMT_PUBLISH_CANDIDATES_IN,
-									 values, NULL);
+		if (default_routed)
+		{
+			values[2] = PointerGetDatum(construct_array(unrouted, nunrouted, TEXTOID,
+														-1, false, TYPALIGN_INT));
+			copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATES_EXCEPT, values, NULL),
+							candidates, &ncandidates, batch_context);
+		}
+		else
+		{
+			for (int t = 0; t < nrouted; t++)
+			{
+				values[2] = routed[t];
+				copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATES_TOPIC, values, NULL),
+								candidates, &ncandidates, batch_context);
+			}
+		}
 	}
-
-	candidates = MemoryContextAlloc(batch_context, sizeof(Candidate) * Max(ncandidates, 1));
 	published = MemoryContextAlloc(batch_context, sizeof(int64) * Max(ncandidates, 1));
-	for (uint64 i = 0; i < ncandidates; i++)
-	{
-		HeapTuple	tuple = SPI_tuptable->vals[i];
-		TupleDesc	desc = SPI_tuptable->tupdesc;
-		Candidate  *candidate = &candidates[i];
-		MemoryContext spi_context = MemoryContextSwitchTo(batch_context);
-		bool		isnull;
-
-		candidate->event = datumCopy(SPI_getbinval(tuple, desc, CANDIDATE_EVENT, &isnull),
-									 false, -1);
-		candidate->id = DatumGetInt64(SPI_getbinval(tuple, desc, CANDIDATE_ID, &isnull));
-		candidate->target = candidate_text(tuple, desc, CANDIDATE_TARGET);
-		candidate->destination = candidate_text(tuple, desc, CANDIDATE_DESTINATION);
-		candidate->run_as = DatumGetObjectId(SPI_getbinval(tuple, desc, CANDIDATE_RUN_AS, &isnull));
-		if (isnull)
-			candidate->run_as = InvalidOid;
-		candidate->message = candidate_text(tuple, desc, CANDIDATE_MESSAGE);
-		candidate->reference = candidate_text(tuple, desc, CANDIDATE_REFERENCE);
-		candidate->previous_id = DatumGetInt64(SPI_getbinval(tuple, desc, CANDIDATE_PREVIOUS_ID,
-															  &isnull));
-		candidate->has_previous = !isnull;
-		MemoryContextSwitchTo(spi_context);
-	}
 
 	for (uint64 i = 0; i < ncandidates; i++)
 	{
