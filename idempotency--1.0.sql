@@ -227,6 +227,10 @@ CREATE INDEX outbox_ready ON idempotency.outbox (topic, id)
 CREATE INDEX outbox_key_order ON idempotency.outbox (topic, key, id)
 	WHERE state <> 'published';
 
+/* published rows kept for outbox_retention, for the purge to find */
+CREATE INDEX outbox_published ON idempotency.outbox (published_at)
+	WHERE state = 'published';
+
 COMMENT ON TABLE idempotency.outbox IS
 	'transactional outbox: events enqueued in the business transaction, published after commit, in order per (topic, key)';
 COMMENT ON COLUMN idempotency.outbox.id IS 'event id, increasing in enqueue order (Debezium: table.field.event.id)';

@@ -34,6 +34,7 @@ echo "== starting a throwaway cluster in $dir (port $port, unix socket only)"
 as_runner "$PGBIN/initdb" -D "$dir/data" -A trust -U postgres --no-sync >/dev/null
 cat >>"$dir/data/postgresql.conf" <<EOF
 shared_preload_libraries = 'idempotency'
+idempotency.purge_interval = '1s'
 listen_addresses = ''
 unix_socket_directories = '$dir'
 port = $port

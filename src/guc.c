@@ -31,6 +31,7 @@ int			idem_outbox_backoff_max_ms = 5 * 60 * 1000;
 int			idem_outbox_max_attempts = 10;
 int			idem_outbox_retention_s = 0;
 int			idem_naptime_ms = 1000;
+int			idem_purge_interval_ms = 10000;
 int			idem_purge_batch_size = 5000;
 int			idem_publish_batch_size = 100;
 char	   *idem_databases = NULL;
@@ -275,6 +276,19 @@ idem_define_gucs(void)
 							"at once; otherwise it runs a round this often.",
 							&idem_naptime_ms,
 							1000, 10, 24 * 60 * 60 * 1000,
+							PGC_SIGHUP,
+							GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.purge_interval",
+							"How often the background worker purges.",
+							"Each purge walks the keys and processed_events tables "
+							"from end to end (they have no index on their expiry, "
+							"so that completing a key stays a HOT update), so it "
+							"runs at most this often, however often the worker "
+							"wakes to publish.",
+							&idem_purge_interval_ms,
+							10000, 10, 24 * 60 * 60 * 1000,
 							PGC_SIGHUP,
 							GUC_UNIT_MS,
 							NULL, NULL, NULL);

@@ -31,6 +31,7 @@ extern int	idem_outbox_retention_s;
 
 /* The background worker's settings. */
 extern int	idem_naptime_ms;
+extern int	idem_purge_interval_ms;
 extern int	idem_purge_batch_size;
 extern int	idem_publish_batch_size;
 extern char *idem_databases;

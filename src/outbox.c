@@ -292,7 +292,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		"DELETE FROM idempotency.outbox WHERE id IN ("
 		"  SELECT id FROM idempotency.outbox"
 		"  WHERE state = 'published' AND published_at <= $1"
-		"  ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)",
+		"  ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
 		2, {TIMESTAMPTZOID, INT4OID}
 	},
 };

@@ -29,9 +29,10 @@
  * It starts once recovery has finished, so on a hot standby nothing runs
  * until promotion.
  *
- * A worker publishes ready outbox rows whenever it wakes, and once a
- * naptime purges expired keys, processed events past retention and published
- * outbox rows past retention.
+ * A worker publishes ready outbox rows whenever it wakes (a commit that
+ * enqueued, or every idempotency.naptime), and once an
+ * idempotency.purge_interval purges expired keys, processed events past
+ * retention and published outbox rows past retention.
  * Each batch is a transaction of its own; an ERROR in one is logged and the
  * work is tried again next round, so one bad row never stops the worker.  A
  * commit that enqueued an outbox row sets the worker's latch, so publishing
@@ -576,11 +577,11 @@ idem_worker_main(Datum main_arg)
 		}
 
 		/*
-		 * Publish on every wake-up (a commit that enqueued sets the latch);
-		 * purge once a naptime, not on every commit.
+		 * Publish on every wake-up (a commit that enqueued sets the latch, or
+		 * the naptime passed); purge once a purge_interval.
 		 */
 		publish_all(&cursor);
-		if (TimestampDifferenceExceeds(last_purge, GetCurrentTimestamp(), idem_naptime_ms))
+		if (TimestampDifferenceExceeds(last_purge, GetCurrentTimestamp(), idem_purge_interval_ms))
 		{
 			purge_all(&cursor);
 			last_purge = GetCurrentTimestamp();
@@ -591,8 +592,9 @@ idem_worker_main(Datum main_arg)
 		}
 		pgstat_report_stat(false);
 
-		sleep_ms = idem_naptime_ms -
-			TimestampDifferenceMilliseconds(last_purge, GetCurrentTimestamp());
+		sleep_ms = Min(idem_naptime_ms,
+					   idem_purge_interval_ms -
+					   TimestampDifferenceMilliseconds(last_purge, GetCurrentTimestamp()));
 		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
 						 Max(sleep_ms, 1), PG_WAIT_EXTENSION);
 		ResetLatch(MyLatch);

@@ -16,6 +16,7 @@ $node->init;
 $node->append_conf('postgresql.conf', qq{
 shared_preload_libraries = 'idempotency'
 idempotency.naptime = '200ms'
+idempotency.purge_interval = '200ms'
 restart_after_crash = on
 });
 $node->start;
