@@ -105,19 +105,19 @@ static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
 };
 
 /*
- * Which of our tables have passed the shape check, by OID.  Forgotten when
- * the relcache says the table changed (ALTER, DROP EXTENSION, a cache
- * reset), so that the next open checks again.
+ * The OIDs of our tables, once found by name and checked for shape.
+ * Forgotten when the relcache says the table changed (ALTER, DROP
+ * EXTENSION, a cache reset), so that the next open looks it up again.
  */
-static Oid	checked_relid[IDEM_NUM_TABLES];
+static Oid	cached_relid[IDEM_NUM_TABLES];
 static bool invalidation_registered = false;
 
 static void
-forget_checked_table(Datum arg, Oid relid)
+forget_cached_table(Datum arg, Oid relid)
 {
 	for (int i = 0; i < IDEM_NUM_TABLES; i++)
-		if (relid == InvalidOid || relid == checked_relid[i])
-			checked_relid[i] = InvalidOid;
+		if (relid == InvalidOid || relid == cached_relid[i])
+			cached_relid[i] = InvalidOid;
 }
 
 /* Refuse a table whose columns are not the ones the C code was built for. */
@@ -144,23 +144,34 @@ check_table_shape(Relation heap, const ExpectedTable *def)
 }
 
 /*
- * Open one of our tables by name, locked until the end of the transaction.
- * RangeVarGetRelid looks the name up, takes the lock and looks again if
- * invalidations arrived meanwhile, so the OID it returns is the table's for
- * the rest of the transaction: nothing about it is cached across calls but
- * the fact that its shape was checked.
+ * Open one of our tables, locked until the end of the transaction.
+ *
+ * The OID found last time is locked first: taking the lock processes any
+ * invalidation that arrived meanwhile, so if the table was dropped or
+ * altered, the relcache callback has forgotten the OID by the time the lock
+ * is ours, and we let the lock go and look the name up again.  Looking up
+ * by name is RangeVarGetRelid's job, which locks and looks again itself
+ * until the two agree.
  */
 static Relation
 open_table(IdemTable table, LOCKMODE lockmode)
 {
 	const ExpectedTable *def = &table_defs[table];
-	Oid			relid;
+	Oid			relid = cached_relid[table];
 	Relation	heap;
 
 	if (!invalidation_registered)
 	{
-		CacheRegisterRelcacheCallback(forget_checked_table, (Datum) 0);
+		CacheRegisterRelcacheCallback(forget_cached_table, (Datum) 0);
 		invalidation_registered = true;
+	}
+
+	if (OidIsValid(relid))
+	{
+		LockRelationOid(relid, lockmode);
+		if (cached_relid[table] == relid)
+			return table_open(relid, NoLock);
+		UnlockRelationOid(relid, lockmode);
 	}
 
 	relid = RangeVarGetRelid(makeRangeVar(IDEM_SCHEMA, (char *) def->name, -1),
@@ -171,11 +182,8 @@ open_table(IdemTable table, LOCKMODE lockmode)
 				 errmsg("table \"%s.%s\" does not exist", IDEM_SCHEMA, def->name),
 				 errhint("Run CREATE EXTENSION idempotency in this database.")));
 	heap = table_open(relid, NoLock);
-	if (checked_relid[table] != relid)
-	{
-		check_table_shape(heap, def);
-		checked_relid[table] = relid;
-	}
+	check_table_shape(heap, def);
+	cached_relid[table] = relid;
 	return heap;
 }
 
