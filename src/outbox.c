@@ -100,37 +100,38 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
  * backoff) -- without that, a key stuck behind a dead row would fill every
  * batch and starve the other keys.  Then, for those few rows only, the route,
  * the message, and the id of the unpublished row of the key just before
- * each, which the C loop checks (see outbox_publish_batch).  For one topic
- * the order is spelled (topic, id), the outbox_ready index's, so that the
- * planner reads that index and stops at the limit rather than walk the
- * primary key past the other topics' rows.
+ * each, which the C loop checks (see outbox_publish_batch).  Planned for
+ * each execution (a custom plan): how many rows a topic has varies wildly,
+ * and a generic plan would walk the primary key past every other topic's
+ * rows rather than read the topic's part of outbox_ready.
  */
-#define PUBLISH_CANDIDATES_SQL(topic_filter, order_by) \
+#define PUBLISH_CANDIDATES_SQL(topic_filter) \
 	"WITH picked AS (" \
-	"  SELECT o.id FROM idempotency.outbox o" \
+	"  SELECT o AS event, o.id, o.topic, o.key, o.payload, o.headers, o.created_at" \
+	"  FROM idempotency.outbox o" \
 	"  WHERE o.state = 'pending' AND o.available_at <= $1 AND " topic_filter \
 	"    AND NOT EXISTS (SELECT FROM idempotency.outbox e" \
 	"                    WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
 	"                      AND e.state <> 'published'" \
 	"                      AND NOT (e.state = 'pending' AND e.available_at <= $1))" \
-	"  ORDER BY " order_by " LIMIT $2" \
+	"  ORDER BY o.id LIMIT $2" \
 	"  FOR UPDATE OF o SKIP LOCKED)" \
-	" SELECT o AS event, o.id, r.target, r.destination, r.run_as," \
-	"        json_build_object('id', o.id, 'topic', o.topic, 'key', o.key," \
-	"                          'payload', o.payload, 'headers', o.headers," \
-	"                          'created_at', o.created_at)::text AS message," \
-	"        json_build_object('id', o.id, 'topic', o.topic, 'key', o.key," \
+	" SELECT p.event, p.id, r.target, r.destination, r.run_as," \
+	"        json_build_object('id', p.id, 'topic', p.topic, 'key', p.key," \
+	"                          'payload', p.payload, 'headers', p.headers," \
+	"                          'created_at', p.created_at)::text AS message," \
+	"        json_build_object('id', p.id, 'topic', p.topic, 'key', p.key," \
 	"                          'truncated', true)::text AS reference," \
 	"        (SELECT max(e.id) FROM idempotency.outbox e" \
-	"         WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
+	"         WHERE e.topic = p.topic AND e.key = p.key AND e.id < p.id" \
 	"           AND e.state <> 'published') AS previous_id" \
-	" FROM picked p JOIN idempotency.outbox o ON o.id = p.id" \
+	" FROM picked p" \
 	" CROSS JOIN LATERAL (SELECT rt.target, rt.destination, rt.run_as" \
 	"                     FROM idempotency.outbox_routes rt" \
-	"                     WHERE rt.topic = o.topic OR rt.topic = '*'" \
+	"                     WHERE rt.topic = p.topic OR rt.topic = '*'" \
 	"                     ORDER BY rt.topic = '*' LIMIT 1) r" \
 	" WHERE r.target <> 'none'" \
-	" ORDER BY o.id"
+	" ORDER BY p.id"
 
 typedef enum OutboxStatement
 {
@@ -157,6 +158,7 @@ typedef struct StatementDef
 	const char *sql;
 	int			nargs;
 	Oid			argtypes[6];
+	bool		custom_plan;	/* plan for each execution's parameters */
 } StatementDef;
 
 /* Columns of STMT_PUBLISH_CANDIDATES. */
@@ -194,7 +196,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		"    AND NOT EXISTS (SELECT FROM idempotency.outbox earlier"
 		"                    WHERE earlier.topic = o.topic AND earlier.key = o.key"
 		"                      AND earlier.id < o.id AND earlier.state <> 'published')"
-		"  ORDER BY o.topic, o.id LIMIT $2"
+		"  ORDER BY o.id LIMIT $2"
 		"  FOR UPDATE OF o SKIP LOCKED"
 		"), handed_out AS ("
 		"  UPDATE idempotency.outbox o"
@@ -208,7 +210,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		"  RETURNING o.*"
 		")"
 		" SELECT * FROM handed_out WHERE state = 'leased' ORDER BY id",
-		5, {TEXTOID, INT4OID, INTERVALOID, TIMESTAMPTZOID, INT4OID}
+		5, {TEXTOID, INT4OID, INTERVALOID, TIMESTAMPTZOID, INT4OID}, true
 	},
 
 	[STMT_ACK_DELETE] = {
@@ -258,12 +260,12 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * backlog), or the topics routed to none, when there is one.
 	 */
 	[STMT_PUBLISH_CANDIDATES_TOPIC] = {
-		PUBLISH_CANDIDATES_SQL("o.topic = $3", "o.topic, o.id"),
-		3, {TIMESTAMPTZOID, INT4OID, TEXTOID}
+		PUBLISH_CANDIDATES_SQL("o.topic = $3"),
+		3, {TIMESTAMPTZOID, INT4OID, TEXTOID}, true
 	},
 	[STMT_PUBLISH_CANDIDATES_EXCEPT] = {
-		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3)", "o.id"),
-		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}
+		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3)"),
+		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}, true
 	},
 	[STMT_ROUTES] = {
 		"SELECT topic, target <> 'none' AS routed FROM idempotency.outbox_routes",
@@ -340,7 +342,8 @@ outbox_sql_run(OutboxStatement statement, Datum *values, const char *nulls)
 	if (plans[statement] == NULL)
 	{
 		const StatementDef *def = &statements[statement];
-		SPIPlanPtr	plan = SPI_prepare(def->sql, def->nargs, (Oid *) def->argtypes);
+		SPIPlanPtr	plan = SPI_prepare_cursor(def->sql, def->nargs, (Oid *) def->argtypes,
+											  def->custom_plan ? CURSOR_OPT_CUSTOM_PLAN : 0);
 
 		if (plan == NULL)
 			elog(ERROR, "could not prepare outbox statement %d: %s",
