@@ -93,6 +93,16 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
 	" * (0.5 + random() / 2))"
 
 /*
+ * One topic's rows, oldest first, read from the outbox_ready index (topic,
+ * id), which stops at the limit however many rows other topics have.  The
+ * topic is pinned with two inequalities rather than "=", so that the
+ * planner keeps ordering by (topic, id), which only that index provides;
+ * with "=", it would drop the constant topic from the ordering and could
+ * walk the primary key past every other topic's rows instead.
+ */
+#define ONE_TOPIC(param) "o.topic >= " param " AND o.topic <= " param
+
+/*
  * The worker's candidates, in two steps.  First the ids: ready pending rows
  * of the routed topics, oldest first, skipping rows another transaction
  * holds (SKIP LOCKED), and leaving out rows held back by an earlier row of
@@ -101,11 +111,10 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
  * batch and starve the other keys.  Then, for those few rows only, the route,
  * the message, and the id of the unpublished row of the key just before
  * each, which the C loop checks (see outbox_publish_batch).  Planned for
- * each execution (a custom plan): how many rows a topic has varies wildly,
- * and a generic plan would walk the primary key past every other topic's
- * rows rather than read the topic's part of outbox_ready.
+ * each execution (a custom plan), since how many rows a topic has varies
+ * wildly.
  */
-#define PUBLISH_CANDIDATES_SQL(topic_filter) \
+#define PUBLISH_CANDIDATES_SQL(topic_filter, order_by) \
 	"WITH picked AS (" \
 	"  SELECT o AS event, o.id, o.topic, o.key, o.payload, o.headers, o.created_at" \
 	"  FROM idempotency.outbox o" \
@@ -114,7 +123,7 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
 	"                    WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
 	"                      AND e.state <> 'published'" \
 	"                      AND NOT (e.state = 'pending' AND e.available_at <= $1))" \
-	"  ORDER BY o.id LIMIT $2" \
+	"  ORDER BY " order_by " LIMIT $2" \
 	"  FOR UPDATE OF o SKIP LOCKED)" \
 	" SELECT p.event, p.id, r.target, r.destination, r.run_as," \
 	"        json_build_object('id', p.id, 'topic', p.topic, 'key', p.key," \
@@ -192,11 +201,11 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		"WITH candidate AS ("
 		"  SELECT o.id, o.state = 'leased' AND o.attempts >= $5 AS exhausted"
 		"  FROM idempotency.outbox o"
-		"  WHERE o.topic = $1 AND o.state IN ('pending', 'leased') AND o.available_at <= $4"
+		"  WHERE " ONE_TOPIC("$1") " AND o.state IN ('pending', 'leased') AND o.available_at <= $4"
 		"    AND NOT EXISTS (SELECT FROM idempotency.outbox earlier"
 		"                    WHERE earlier.topic = o.topic AND earlier.key = o.key"
 		"                      AND earlier.id < o.id AND earlier.state <> 'published')"
-		"  ORDER BY o.id LIMIT $2"
+		"  ORDER BY o.topic, o.id LIMIT $2"
 		"  FOR UPDATE OF o SKIP LOCKED"
 		"), handed_out AS ("
 		"  UPDATE idempotency.outbox o"
@@ -260,11 +269,11 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * backlog), or the topics routed to none, when there is one.
 	 */
 	[STMT_PUBLISH_CANDIDATES_TOPIC] = {
-		PUBLISH_CANDIDATES_SQL("o.topic = $3"),
+		PUBLISH_CANDIDATES_SQL(ONE_TOPIC("$3"), "o.topic, o.id"),
 		3, {TIMESTAMPTZOID, INT4OID, TEXTOID}, true
 	},
 	[STMT_PUBLISH_CANDIDATES_EXCEPT] = {
-		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3)"),
+		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3)", "o.id"),
 		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}, true
 	},
 	[STMT_ROUTES] = {
