@@ -227,17 +227,6 @@ idem_launcher_attach(void)
 	before_shmem_exit(clear_launcher, (Datum) 0);
 }
 
-/* The launcher saw the database gone: free its slot. */
-void
-idem_launcher_forget_database(Oid dboid)
-{
-	LWLockAcquire(shared->lock, LW_EXCLUSIVE);
-	for (int i = 0; i < shared->nslots; i++)
-		if (shared->slots[i].dboid == dboid && shared->slots[i].worker_pid == 0)
-			shared->slots[i].dboid = InvalidOid;
-	LWLockRelease(shared->lock);
-}
-
 /*
  * Free the slots of databases that no longer exist (and have no worker):
  * counters are kept by any backend that counts, so slots are taken for

@@ -59,7 +59,6 @@ extern void idem_count(IdemCounter counter, uint64 n);
 
 /* The launcher's side of the registry. */
 extern void idem_launcher_attach(void);
-extern void idem_launcher_forget_database(Oid dboid);
 extern void idem_launcher_free_slots_except(List *present_oids);
 extern int	idem_max_databases_slots(void);
 

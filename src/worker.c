@@ -316,14 +316,16 @@ tend_databases(void)
 		start_worker(db, now);
 	}
 
-	/* forget databases that are gone, once their workers have stopped */
+	/*
+	 * Forget databases that are gone (or off the allow-list) once their
+	 * workers have stopped; scan_databases frees the slots of those gone.
+	 */
 	foreach(lc, known_databases)
 	{
 		KnownDatabase *db = (KnownDatabase *) lfirst(lc);
 
 		if (!db->present && db->handle == NULL)
 		{
-			idem_launcher_forget_database(db->dboid);
 			known_databases = foreach_delete_current(known_databases, lc);
 			pfree(db);
 		}
