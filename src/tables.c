@@ -110,11 +110,14 @@ static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
  * EXTENSION, a cache reset), so that the next open looks it up again.
  */
 static Oid	cached_relid[IDEM_NUM_TABLES];
+static Oid	cached_owner = InvalidOid;	/* of keys, see idem_tables_owner */
 static bool invalidation_registered = false;
 
 static void
 forget_cached_table(Datum arg, Oid relid)
 {
+	if (relid == InvalidOid || relid == cached_relid[IDEM_TABLE_KEYS])
+		cached_owner = InvalidOid;	/* ALTER ... OWNER invalidates it too */
 	for (int i = 0; i < IDEM_NUM_TABLES; i++)
 		if (relid == InvalidOid || relid == cached_relid[i])
 			cached_relid[i] = InvalidOid;
@@ -194,11 +197,16 @@ open_table(IdemTable table, LOCKMODE lockmode)
 Oid
 idem_tables_owner(void)
 {
-	Relation	heap = open_table(IDEM_TABLE_KEYS, AccessShareLock);
-	Oid			owner = heap->rd_rel->relowner;
+	Relation	heap;
 
+	/* every outbox call asks: open the table only when the cache is cold */
+	if (OidIsValid(cached_owner) && OidIsValid(cached_relid[IDEM_TABLE_KEYS]))
+		return cached_owner;
+
+	heap = open_table(IDEM_TABLE_KEYS, AccessShareLock);
+	cached_owner = heap->rd_rel->relowner;
 	table_close(heap, NoLock);
-	return owner;
+	return cached_owner;
 }
 
 void
