@@ -59,7 +59,7 @@ endif
 # with --enable-depend: rebuild every object when any header changes.
 $(OBJS): $(wildcard src/*.h)
 
-.PHONY: test demo bench check-regress check-isolation check-tap
+.PHONY: test demo bench check-regress check-isolation check-tap check-examples
 
 test:
 	PG_CONFIG=$(PG_CONFIG) scripts/test.sh
@@ -80,3 +80,8 @@ check-isolation:
 
 check-tap:
 	$(prove_installcheck)
+
+# examples/*/test.sh, each against a temporary instance, directly and through
+# pgbouncer in transaction pooling mode
+check-examples:
+	PG_CONFIG=$(PG_CONFIG) scripts/test-examples.sh

@@ -20,6 +20,17 @@ command -v prove >/dev/null || missing+=(perl)
 perl -MIPC::Run -e 1 2>/dev/null || missing+=(libipc-run-perl)
 command -v python3 >/dev/null || missing+=(python3)
 
+# The integrations that make test drives for real (examples/, t/007, t/008):
+# the HTTP example (Debian's psycopg 3, for the system python3), the Node
+# consumer (Node.js and npm; packages come from the npm registry, pinned by
+# the example's lockfile), pgbouncer, and pg_cron.
+/usr/bin/python3 -c 'import psycopg' 2>/dev/null || missing+=(python3-psycopg)
+command -v node >/dev/null || missing+=(nodejs)
+command -v npm >/dev/null || missing+=(npm)
+[ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+[ -f "/usr/share/postgresql/$PG_MAJOR/extension/pg_cron.control" ] ||
+	missing+=("postgresql-$PG_MAJOR-cron")
+
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -ne 0 ]; then

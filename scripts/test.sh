@@ -6,6 +6,8 @@
 #   regress     pg_regress, sql/ against expected/
 #   isolation   pg_isolation_regress, specs/ against expected/
 #   tap         prove, t/*.pl with PostgreSQL::Test::Cluster
+#   examples    examples/*/test.sh: real clients over real connections,
+#               directly and through pgbouncer (scripts/test-examples.sh)
 #
 # Every suite runs even when an earlier one fails; the summary at the end
 # lists each, and the exit status is non-zero if any failed.  SUITES picks a
@@ -30,12 +32,13 @@ else
 	trap 'rm -rf "$work"' EXIT
 fi
 tar --exclude=./.git --exclude='./tmp_check*' --exclude=./results --exclude=./output_iso \
+	--exclude=node_modules \
 	-cf - . | tar -C "$work" -xf -
 [ "$(id -u)" -eq 0 ] && chown -R "$RUN_AS" "$work"
 
 summary=()
 status=0
-for suite in ${SUITES:-regress isolation tap}; do
+for suite in ${SUITES:-regress isolation tap examples}; do
 	echo
 	echo "== $suite"
 	if as_runner make -C "$work" --no-print-directory PG_CONFIG="$PG_CONFIG" "check-$suite"; then
