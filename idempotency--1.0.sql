@@ -214,10 +214,17 @@ CREATE TABLE idempotency.outbox (
 	available_at	timestamptz NOT NULL DEFAULT clock_timestamp(),
 	last_error		text,
 	published_at	timestamptz,
-	PRIMARY KEY (id)
+	PRIMARY KEY (topic, id)
 );
 
 ALTER SEQUENCE idempotency.outbox_id_seq OWNED BY idempotency.outbox.id;
+
+/*
+ * The primary key leads with the topic, so that the table can be distributed
+ * by topic (Citus wants every unique index to hold the distribution column);
+ * acknowledgements and the rest find a row by id alone through this one.
+ */
+CREATE INDEX outbox_id ON idempotency.outbox (id);
 
 /* the rows a relay or the worker may take next, per topic, oldest first */
 CREATE INDEX outbox_ready ON idempotency.outbox (topic, id)

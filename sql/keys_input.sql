@@ -84,3 +84,15 @@ SET LOCAL enable_bitmapscan = off;
 EXPLAIN (COSTS OFF) SELECT key FROM keys WHERE status_code = 200 AND scope = 's';
 SELECT key FROM keys WHERE status_code = 200 AND scope = 's';
 ROLLBACK;
+-- and so is a partial one: a row gets an entry only once it matches
+BEGIN;
+CREATE INDEX keys_completed ON keys (completed_at) WHERE status_code = 201;
+SELECT outcome FROM idem_claim('s', 'partial-a');
+SELECT idem_complete('s', 'partial-a', 201, 'created');
+SELECT outcome FROM idem_claim('s', 'partial-b');
+SELECT idem_complete('s', 'partial-b', 200, 'ok');
+SET LOCAL enable_seqscan = off;
+SET LOCAL enable_bitmapscan = off;
+EXPLAIN (COSTS OFF) SELECT key FROM keys WHERE status_code = 201 AND completed_at IS NOT NULL;
+SELECT key FROM keys WHERE status_code = 201 AND completed_at IS NOT NULL AND key LIKE 'partial-%';
+ROLLBACK;

@@ -144,7 +144,6 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
 
 typedef enum OutboxStatement
 {
-	STMT_ENQUEUE,
 	STMT_FETCH,
 	STMT_ACK_DELETE,
 	STMT_ACK_KEEP,
@@ -184,12 +183,6 @@ enum
 };
 
 static const StatementDef statements[NUM_STATEMENTS] = {
-	[STMT_ENQUEUE] = {
-		"INSERT INTO idempotency.outbox (topic, key, payload, headers, created_at, available_at)"
-		" VALUES ($1, $2, $3, $4, $5, $5) RETURNING id",
-		5, {TEXTOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID}
-	},
-
 	/*
 	 * Lease the ready heads of a topic: rows that no earlier unpublished row
 	 * of the same key holds back, oldest first, skipping rows another relay
@@ -396,10 +389,10 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 	text	   *topic = idem_arg_identifier(fcinfo, 0, "topic", 1);
 	text	   *key = PG_ARGISNULL(2) ? NULL : idem_arg_identifier(fcinfo, 2, "key", 1);
 	Jsonb	   *headers = PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3);
-	Datum		values[5];
-	char		nulls[5] = {' ', ' ', ' ', ' ', ' '};
-	OutboxSqlContext context;
-	bool		isnull;
+	TimestampTz now = GetCurrentTimestamp();
+	IdemRelation rel;
+	Datum		values[Natts_outbox];
+	bool		nulls[Natts_outbox];
 	int64		id;
 
 	if (VARSIZE_ANY_EXHDR(topic) == 1 && *VARDATA_ANY(topic) == '*')
@@ -418,23 +411,35 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 
 	idem_require_writable("idem_outbox_enqueue()");
 
+	/*
+	 * A new row is written straight into the table and its indexes, as the
+	 * key functions write theirs (see tables.c): no executor, no SPI.
+	 */
+	idem_relation_open(&rel, IDEM_TABLE_OUTBOX, RowExclusiveLock);
+
 	/* before the row gets its id: see the top of this file */
 	if (key != NULL)
 		lock_outbox_key(topic, key);
+	id = idem_outbox_next_id();
 
-	values[0] = PointerGetDatum(topic);
-	values[1] = PointerGetDatum(key);
-	nulls[1] = key == NULL ? 'n' : ' ';
-	values[2] = PG_GETARG_DATUM(1);
-	values[3] = PointerGetDatum(headers);
-	nulls[3] = headers == NULL ? 'n' : ' ';
-	values[4] = TimestampTzGetDatum(GetCurrentTimestamp());
+	memset(nulls, false, sizeof(nulls));
+	values[Anum_outbox_id - 1] = Int64GetDatum(id);
+	values[Anum_outbox_topic - 1] = PointerGetDatum(topic);
+	values[Anum_outbox_key - 1] = PointerGetDatum(key);
+	nulls[Anum_outbox_key - 1] = key == NULL;
+	values[Anum_outbox_payload - 1] = PG_GETARG_DATUM(1);
+	values[Anum_outbox_headers - 1] = PointerGetDatum(headers);
+	nulls[Anum_outbox_headers - 1] = headers == NULL;
+	values[Anum_outbox_created_at - 1] = TimestampTzGetDatum(now);
+	values[Anum_outbox_state - 1] = CStringGetTextDatum("pending");
+	values[Anum_outbox_attempts - 1] = Int32GetDatum(0);
+	values[Anum_outbox_available_at - 1] = TimestampTzGetDatum(now);
+	nulls[Anum_outbox_last_error - 1] = true;
+	nulls[Anum_outbox_published_at - 1] = true;
 
-	outbox_sql_begin(&context);
-	outbox_sql_run(STMT_ENQUEUE, values, nulls);
+	idem_insert(&rel, values, nulls);
+	idem_relation_close(&rel);
 	idem_wake_worker_at_commit();
-	id = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull));
-	outbox_sql_end(&context);
 
 	PG_RETURN_INT64(id);
 }

@@ -35,6 +35,8 @@
 #include "catalog/namespace.h"
 #include "nodes/makefuncs.h"
 #include "catalog/pg_type.h"
+#include "commands/sequence.h"
+#include "executor/executor.h"
 #include "executor/tuptable.h"
 #include "miscadmin.h"
 #include "storage/bufmgr.h"
@@ -97,12 +99,34 @@ static const ExpectedColumn events_columns[Natts_events] = {
 	{"expires_at", TIMESTAMPTZOID},
 };
 
+static const ExpectedColumn outbox_columns[Natts_outbox] = {
+	{"id", INT8OID},
+	{"topic", TEXTOID},
+	{"key", TEXTOID},
+	{"payload", JSONBOID},
+	{"headers", JSONBOID},
+	{"created_at", TIMESTAMPTZOID},
+	{"state", TEXTOID},
+	{"attempts", INT4OID},
+	{"available_at", TIMESTAMPTZOID},
+	{"last_error", TEXTOID},
+	{"published_at", TIMESTAMPTZOID},
+};
+
+/* the outbox's primary key is (topic, id), so that it leads with the topic */
+static const Oid topic_and_id_eq[] = {F_TEXTEQ, F_INT8EQ};
+
 static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
 	[IDEM_TABLE_KEYS] = {"keys", Natts_keys, keys_columns, 2, two_text_columns_eq,
 	Anum_keys_expires_at},
 	[IDEM_TABLE_EVENTS] = {"processed_events", Natts_events, events_columns, 2, two_text_columns_eq,
 	Anum_events_expires_at},
+	/* only enqueued here; the rest of the outbox's life is SQL (outbox.c) */
+	[IDEM_TABLE_OUTBOX] = {"outbox", Natts_outbox, outbox_columns, 2, topic_and_id_eq,
+	InvalidAttrNumber},
 };
+
+#define OUTBOX_SEQUENCE "outbox_id_seq"
 
 /*
  * The OIDs of our tables, once found by name and checked for shape.
@@ -111,6 +135,7 @@ static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
  */
 static Oid	cached_relid[IDEM_NUM_TABLES];
 static Oid	cached_owner = InvalidOid;	/* of keys, see idem_tables_owner */
+static Oid	cached_sequence = InvalidOid;	/* outbox ids, see idem_outbox_next_id */
 static bool invalidation_registered = false;
 
 static void
@@ -118,6 +143,9 @@ forget_cached_table(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == cached_relid[IDEM_TABLE_KEYS])
 		cached_owner = InvalidOid;	/* ALTER ... OWNER invalidates it too */
+	if (relid == InvalidOid || relid == cached_sequence ||
+		relid == cached_relid[IDEM_TABLE_OUTBOX])
+		cached_sequence = InvalidOid;
 	for (int i = 0; i < IDEM_NUM_TABLES; i++)
 		if (relid == InvalidOid || relid == cached_relid[i])
 			cached_relid[i] = InvalidOid;
@@ -233,8 +261,9 @@ idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode)
 
 /*
  * Open every index of the table, for the writes that must add index entries.
- * Only plain column indexes can be maintained without an executor state; an
- * index on an expression or with a predicate is refused by name.
+ * Column indexes, partial or not, are maintained here; an index on an
+ * expression, an exclusion constraint or a second unique index is refused by
+ * name.
  */
 static void
 open_all_indexes(IdemRelation *rel)
@@ -258,15 +287,14 @@ open_all_indexes(IdemRelation *rel)
 		rel->index_info[i] = info;
 		rel->nindexes = ++i;
 
-		if (info->ii_Expressions != NIL || info->ii_Predicate != NIL ||
-			info->ii_ExclusionOps != NULL ||
+		if (info->ii_Expressions != NIL || info->ii_ExclusionOps != NULL ||
 			(info->ii_Unique && RelationGetRelid(index) != RelationGetRelid(rel->pkey)))
 			ereport(ERROR,
 					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 					 errmsg("index \"%s\" on table \"%s.%s\" is not supported",
 							RelationGetRelationName(index), IDEM_SCHEMA,
 							table_defs[rel->table].name),
-					 errdetail("The extension maintains its tables' indexes itself and handles only plain, non-unique column indexes without a WHERE clause, besides the primary key."),
+					 errdetail("The extension maintains its tables' indexes itself and handles only non-unique column indexes, with or without a WHERE clause, besides the primary key."),
 					 errhint("Drop the index.")));
 	}
 	list_free(index_oids);
@@ -275,6 +303,8 @@ open_all_indexes(IdemRelation *rel)
 void
 idem_relation_close(IdemRelation *rel)
 {
+	if (rel->estate != NULL)
+		FreeExecutorState(rel->estate);
 	/* the locks are kept until the end of the transaction, as the executor does */
 	for (int i = 0; i < rel->nindexes; i++)
 		index_close(rel->indexes[i], NoLock);
@@ -365,6 +395,35 @@ make_slot(IdemRelation *rel, Datum *values, bool *nulls)
 }
 
 /*
+ * Does the row version in slot belong in the i-th index?  Only a partial
+ * index can say no; its predicate is prepared on first use, in an executor
+ * state kept until the relation is closed.
+ */
+static bool
+index_wants_row(IdemRelation *rel, int i, TupleTableSlot *slot)
+{
+	List	   *predicate = rel->index_info[i]->ii_Predicate;
+	ExprContext *econtext;
+	bool		wanted;
+
+	if (predicate == NIL)
+		return true;
+	if (rel->estate == NULL)
+	{
+		rel->estate = CreateExecutorState();
+		rel->predicates = palloc0(sizeof(ExprState *) * rel->nindexes);
+	}
+	if (rel->predicates[i] == NULL)
+		rel->predicates[i] = ExecPrepareQual(predicate, rel->estate);
+
+	econtext = GetPerTupleExprContext(rel->estate);
+	econtext->ecxt_scantuple = slot;
+	wanted = ExecQual(rel->predicates[i], econtext);
+	ResetExprContext(econtext);
+	return wanted;
+}
+
+/*
  * Add index entries for the row version in slot.  The primary key is checked
  * as the caller says; other unique indexes are checked in full.  Returns
  * false when the primary key check found a possible conflict.
@@ -390,6 +449,8 @@ insert_index_entries(IdemRelation *rel, TupleTableSlot *slot,
 			continue;
 		/* an index being built concurrently is not ready for entries yet */
 		if (!rel->index_info[i]->ii_ReadyForInserts)
+			continue;
+		if (!index_wants_row(rel, i, slot))
 			continue;
 
 		check = is_pkey ? pkey_check : UNIQUE_CHECK_NO;
@@ -433,6 +494,45 @@ idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls)
 	ExecDropSingleTupleTableSlot(slot);
 	CommandCounterIncrement();
 	return inserted;
+}
+
+/*
+ * Insert a row whose primary key cannot be taken (a fresh sequence value is
+ * part of it), as a plain INSERT would, unique check included.
+ */
+void
+idem_insert(IdemRelation *rel, Datum *values, bool *nulls)
+{
+	TupleTableSlot *slot = make_slot(rel, values, nulls);
+
+	table_tuple_insert(rel->heap, slot, GetCurrentCommandId(true), 0, NULL);
+	(void) insert_index_entries(rel, slot, UNIQUE_CHECK_YES, false, false);
+	ExecDropSingleTupleTableSlot(slot);
+	CommandCounterIncrement();
+}
+
+/*
+ * The next outbox id, from the sequence the outbox's id column defaults to.
+ * The caller has the outbox open, so an invalidation that dropped or
+ * replaced the sequence has been processed and the cached OID forgotten.
+ */
+int64
+idem_outbox_next_id(void)
+{
+	if (!OidIsValid(cached_sequence))
+	{
+		Oid			seqid = RangeVarGetRelid(makeRangeVar(IDEM_SCHEMA, OUTBOX_SEQUENCE, -1),
+											 NoLock, true);
+
+		if (!OidIsValid(seqid))
+			ereport(ERROR,
+					(errcode(ERRCODE_UNDEFINED_OBJECT),
+					 errmsg("sequence \"%s.%s\" does not exist", IDEM_SCHEMA, OUTBOX_SEQUENCE),
+					 errhint("Reinstall the extension with DROP EXTENSION and CREATE EXTENSION.")));
+		cached_sequence = seqid;
+	}
+	/* the caller's EXECUTE on the enqueue function is the permission */
+	return nextval_internal(cached_sequence, false);
 }
 
 /*

@@ -22,6 +22,7 @@ typedef enum IdemTable
 {
 	IDEM_TABLE_KEYS,
 	IDEM_TABLE_EVENTS,
+	IDEM_TABLE_OUTBOX,
 	IDEM_NUM_TABLES
 } IdemTable;
 
@@ -54,6 +55,23 @@ typedef enum EventsColumn
 	Natts_events = Anum_events_expires_at
 } EventsColumn;
 
+/* Column numbers of idempotency.outbox. */
+typedef enum OutboxColumn
+{
+	Anum_outbox_id = 1,
+	Anum_outbox_topic,
+	Anum_outbox_key,
+	Anum_outbox_payload,
+	Anum_outbox_headers,
+	Anum_outbox_created_at,
+	Anum_outbox_state,
+	Anum_outbox_attempts,
+	Anum_outbox_available_at,
+	Anum_outbox_last_error,
+	Anum_outbox_published_at,
+	Natts_outbox = Anum_outbox_published_at
+} OutboxColumn;
+
 /* An open table with its primary key (and, once needed, all its indexes). */
 typedef struct IdemRelation
 {
@@ -65,6 +83,9 @@ typedef struct IdemRelation
 	int			nindexes;
 	Relation   *indexes;
 	IndexInfo **index_info;
+	/* the predicates of partial indexes, once one needs checking */
+	EState	   *estate;
+	ExprState **predicates;
 } IdemRelation;
 
 /*
@@ -106,6 +127,8 @@ extern bool idem_row_visible_to_snapshot(IdemRelation *rel,
 										 const ProbeResult *found);
 
 extern bool idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls);
+extern void idem_insert(IdemRelation *rel, Datum *values, bool *nulls);
+extern int64 idem_outbox_next_id(void);
 extern TM_Result idem_update(IdemRelation *rel, ItemPointer tid,
 							 Datum *values, bool *nulls, bool wait);
 extern TM_Result idem_delete(IdemRelation *rel, ItemPointer tid, bool wait);
