@@ -34,15 +34,19 @@ TEST_CONF = $(CURDIR)/test/idempotency.conf
 # pg_regress: one file per topic under sql/, expected output under expected/
 REGRESS = setup keys_claim keys_complete keys_lease keys_fingerprint keys_input \
 	keys_release_policy keys_security events outbox outbox_routes
-REGRESS_OPTS = --temp-config=$(TEST_CONF) --temp-instance=$(CURDIR)/tmp_check
 
 # pg_isolation_regress: specs/*.spec, expected output under expected/
 ISOLATION = claim_concurrent claim_rollback claim_lease claim_isolation_levels \
 	events_concurrent outbox_order outbox_relays
-ISOLATION_OPTS = --temp-config=$(TEST_CONF) --temp-instance=$(CURDIR)/tmp_check_iso
 
 # TAP: t/*.pl, each starting its own PostgreSQL::Test::Cluster
 TAP_TESTS = 1
+
+# "make installcheck" (PGXS) runs the pg_regress and isolation suites against
+# a running server whose shared_preload_libraries already has idempotency
+# (PGHOST, PGPORT, PGUSER: a superuser), then the TAP suite, which starts
+# clusters of its own (skip it with "make installcheck TAP_TESTS=").  The
+# check-* targets below run each suite against a temporary instance instead.
 
 PG_CONFIG ?= $(firstword $(wildcard /usr/lib/postgresql/15/bin/pg_config) pg_config)
 PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
@@ -59,7 +63,7 @@ endif
 # with --enable-depend: rebuild every object when any header changes.
 $(OBJS): $(wildcard src/*.h)
 
-.PHONY: test demo bench check-regress check-isolation check-tap check-examples
+.PHONY: test demo bench check-regress check-isolation check-tap check-examples check-installcheck
 
 test:
 	PG_CONFIG=$(PG_CONFIG) scripts/test.sh
@@ -73,15 +77,23 @@ bench:
 # The three suites one by one, against the installed extension; scripts/test.sh
 # runs all of them and reports each.
 check-regress:
-	$(pg_regress_installcheck) $(REGRESS_OPTS) $(REGRESS)
+	$(pg_regress_installcheck) $(REGRESS_OPTS) --temp-config=$(TEST_CONF) \
+		--temp-instance=$(CURDIR)/tmp_check $(REGRESS)
 
 check-isolation:
-	$(pg_isolation_regress_installcheck) $(ISOLATION_OPTS) $(ISOLATION)
+	$(pg_isolation_regress_installcheck) $(ISOLATION_OPTS) --temp-config=$(TEST_CONF) \
+		--temp-instance=$(CURDIR)/tmp_check_iso $(ISOLATION)
 
 check-tap:
 	$(prove_installcheck)
 
-# examples/*/test.sh, each against a temporary instance, directly and through
+# examples/*/test.sh against a temporary instance, directly and through
 # pgbouncer in transaction pooling mode
 check-examples:
-	PG_CONFIG=$(PG_CONFIG) scripts/test-examples.sh
+	PG_CONFIG=$(PG_CONFIG) scripts/with-server.sh scripts/test-examples.sh
+
+# installcheck's pg_regress and isolation suites, against a temporary
+# instance started the way an existing preloading server would be
+check-installcheck:
+	PG_CONFIG=$(PG_CONFIG) scripts/with-server.sh \
+		$(MAKE) --no-print-directory PG_CONFIG=$(PG_CONFIG) installcheck TAP_TESTS=

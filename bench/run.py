@@ -176,11 +176,24 @@ def fill_expired(cluster, table):
         FROM generate_series(1, {PURGE_ROWS}) n""")
 
 
+def wait_worker_idle(cluster, timeout=60):
+    """A purge is over when the worker is: it vacuums a table after purging
+    most of it.  Idle three looks in a row, 50 ms apart."""
+    deadline, idle = time.time() + timeout, 0
+    while idle < 3 and time.time() < deadline:
+        busy = cluster.psql("SELECT count(*) FROM pg_stat_activity"
+                            " WHERE application_name = 'idempotency worker' AND state = 'active'")
+        idle = idle + 1 if busy == "0" else 0
+        time.sleep(0.05)
+
+
 def purge_cycle(cluster, foreground_seconds=None):
     """Fill a million expired keys, let the worker purge them; returns the
     rate, and the foreground tps measured meanwhile if asked."""
-    fill_expired(cluster, "idempotency.keys")
+    # read the counter first: the worker may start purging as soon as the
+    # fill commits
     before = counter(cluster, "purged")
+    fill_expired(cluster, "idempotency.keys")
     start = time.time()
     foreground = None
     if foreground_seconds:
@@ -188,6 +201,7 @@ def purge_cycle(cluster, foreground_seconds=None):
     while counter(cluster, "purged") - before < PURGE_ROWS:
         time.sleep(0.05)
     elapsed = time.time() - start
+    wait_worker_idle(cluster)
     size = int(cluster.psql("SELECT pg_total_relation_size('idempotency.keys')"))
     return PURGE_ROWS / elapsed, elapsed, size, foreground
 

@@ -3,8 +3,10 @@
 # make test: install what is missing, build with warnings as errors, install,
 # then run every suite against temporary instances that preload the library:
 #
-#   regress     pg_regress, sql/ against expected/
-#   isolation   pg_isolation_regress, specs/ against expected/
+#   installcheck  make installcheck's pg_regress (sql/ against expected/)
+#               and pg_isolation_regress (specs/ against expected/), against
+#               a temporary server that preloads the library, as a user's
+#               existing server would (scripts/with-server.sh)
 #   tap         prove, t/*.pl with PostgreSQL::Test::Cluster
 #   examples    examples/*/test.sh: real clients over real connections,
 #               directly and through pgbouncer (scripts/test-examples.sh)
@@ -13,6 +15,8 @@
 # lists each, and the exit status is non-zero if any failed.  SUITES picks a
 # subset, e.g. SUITES="regress isolation" make test; KEEP_WORKDIR=1 keeps
 # the tree the suites ran in, with their results, for a look afterwards.
+# SUITES may also name "regress" and "isolation": the same two suites, each
+# on a temporary instance of pg_regress's own.
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +42,7 @@ tar --exclude=./.git --exclude='./tmp_check*' --exclude=./results --exclude=./ou
 
 summary=()
 status=0
-for suite in ${SUITES:-regress isolation tap examples}; do
+for suite in ${SUITES:-installcheck tap examples}; do
 	echo
 	echo "== $suite"
 	if as_runner make -C "$work" --no-print-directory PG_CONFIG="$PG_CONFIG" "check-$suite"; then

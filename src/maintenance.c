@@ -36,7 +36,10 @@ void
 maintenance_cursor_init(MaintenanceCursor *cursor)
 {
 	for (int unit = 0; unit < NUM_MAINTENANCE_UNITS; unit++)
+	{
 		cursor->next_block[unit] = InvalidBlockNumber;
+		cursor->purged_in_pass[unit] = 0;
+	}
 	cursor->publish_carefully = false;
 	cursor->last_publish_was_fast = false;
 }
@@ -95,6 +98,7 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 			break;
 	}
 	counts->purged[unit] += done;
+	cursor->purged_in_pass[unit] += done;
 	idem_count(IDEM_COUNTER_PURGED, done);
 	return more;
 }

@@ -29,6 +29,7 @@ typedef enum MaintenanceUnit
 typedef struct MaintenanceCursor
 {
 	BlockNumber next_block[NUM_MAINTENANCE_UNITS];
+	uint64		purged_in_pass[NUM_MAINTENANCE_UNITS];	/* reset by the caller */
 	bool		publish_carefully;
 	bool		last_publish_was_fast;	/* so a failed one is retried at once */
 } MaintenanceCursor;

@@ -32,7 +32,8 @@
  * A worker publishes ready outbox rows whenever it wakes (a commit that
  * enqueued, or every idempotency.naptime), and once an
  * idempotency.purge_interval purges expired keys, processed events past
- * retention and published outbox rows past retention.
+ * retention and published outbox rows past retention, and vacuums a table
+ * at once when a pass deleted a large share of it (see vacuum_after_purge).
  * Each batch is a transaction of its own; an ERROR in one is logged and the
  * work is tried again next round, so one bad row never stops the worker.  A
  * commit that enqueued an outbox row sets the worker's latch, so publishing
@@ -52,6 +53,9 @@
 #include "catalog/pg_database.h"
 #include "commands/dbcommands.h"
 #include "commands/extension.h"
+#include "commands/vacuum.h"
+#include "nodes/makefuncs.h"
+#include "parser/parse_node.h"
 #include "miscadmin.h"
 #include "pgstat.h"
 #include "postmaster/bgworker.h"
@@ -441,6 +445,17 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	MaintenanceCounts counts;
 	bool		more = false;
 
+	/*
+	 * A purge batch lost in a crash is simply done again, so its commit
+	 * need not wait for the WAL flush, which it would otherwise share with
+	 * the foreground's commits.  Publishing keeps synchronous commits (see
+	 * pin_worker_settings): the setting is pinned back once the batch is
+	 * over, however it ended.  (A SET LOCAL would not do: a value set at the
+	 * pinning's override level outlives the transaction.)
+	 */
+	if (unit != UNIT_PUBLISH)
+		SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
+
 	memset(&counts, 0, sizeof(counts));
 	SetCurrentStatementStartTimestamp();
 	StartTransactionCommand();
@@ -467,6 +482,9 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	}
 	PG_END_TRY();
 
+	if (unit != UNIT_PUBLISH)
+		SetConfigOption("synchronous_commit", "on", PGC_SUSET, PGC_S_OVERRIDE);
+
 	pgstat_report_stat(false);
 	pgstat_report_activity(STATE_IDLE, NULL);
 	return more;
@@ -481,6 +499,86 @@ publish_all(MaintenanceCursor *cursor)
 }
 
 /*
+ * VACUUM idempotency.<name>, as a top-level command would.  It ends the
+ * current transaction, vacuums in transactions of its own, and starts a new
+ * one; what it was given must live in that first transaction, as here.
+ */
+static void
+vacuum_table(const char *name)
+{
+	VacuumStmt *stmt = makeNode(VacuumStmt);
+
+	stmt->rels = list_make1(makeVacuumRelation(makeRangeVar("idempotency", (char *) name, -1),
+											   InvalidOid, NIL));
+	stmt->is_vacuumcmd = true;
+	ExecVacuum(make_parsestate(NULL), stmt, true);
+}
+
+/*
+ * After a pass that deleted a large share of a table, vacuum it now rather
+ * than when autovacuum next looks (up to autovacuum_naptime later, and only
+ * past its own thresholds): until a vacuum, the deleted rows' space cannot
+ * be reused, and the next rows to expire would grow the table instead.
+ * "Large" is autovacuum's default rule: more than 1000 rows plus a fifth of
+ * the table.  An ERROR is reported and swallowed; autovacuum remains.
+ *
+ * Twice: the index pages the first vacuum empties and deletes may be reused
+ * only once every transaction that could still be reading them has ended,
+ * which a transaction ID taken after their deletion proves; the second
+ * vacuum then finds them safe and hands them to the free space map, where
+ * the next rows' index entries find them.  Otherwise the indexes would keep
+ * a second copy of their size until some later vacuum.
+ */
+static void
+vacuum_after_purge(MaintenanceUnit unit, uint64 purged)
+{
+	static const char *const tables[NUM_MAINTENANCE_UNITS] = {
+		[UNIT_PURGE_KEYS] = "keys",
+		[UNIT_PURGE_EVENTS] = "processed_events",
+		[UNIT_PURGE_OUTBOX] = "outbox",
+	};
+
+	if (purged <= 1000)
+		return;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	pgstat_report_activity(STATE_RUNNING, "vacuuming after a purge");
+	PG_TRY();
+	{
+		Relation	rel = table_openrv_extended(makeRangeVar("idempotency",
+															 (char *) tables[unit], -1),
+												AccessShareLock, true);
+		bool		large;
+
+		/* reltuples is -1 for a table never vacuumed nor analyzed */
+		large = rel != NULL &&
+			(rel->rd_rel->reltuples < 0 || purged > 1000 + 0.2 * rel->rd_rel->reltuples);
+		if (rel != NULL)
+			table_close(rel, AccessShareLock);
+		if (large)
+		{
+			vacuum_table(tables[unit]);
+			(void) GetTopTransactionId();
+			CommitTransactionCommand();
+			StartTransactionCommand();
+			vacuum_table(tables[unit]);
+		}
+		CommitTransactionCommand();
+	}
+	PG_CATCH();
+	{
+		HOLD_INTERRUPTS();
+		EmitErrorReport();
+		AbortCurrentTransaction();
+		FlushErrorState();
+		RESUME_INTERRUPTS();
+	}
+	PG_END_TRY();
+	pgstat_report_activity(STATE_IDLE, NULL);
+}
+
+/*
  * Purge each table to the end.  Between purge batches, a commit that
  * enqueued events (our latch is set) gets its rows published first, so that
  * a long purge does not delay them.
@@ -490,6 +588,7 @@ purge_all(MaintenanceCursor *cursor)
 {
 	for (int unit = UNIT_PURGE_KEYS; unit <= UNIT_PURGE_OUTBOX; unit++)
 	{
+		cursor->purged_in_pass[unit] = 0;
 		while (run_batch((MaintenanceUnit) unit, cursor))
 		{
 			CHECK_FOR_INTERRUPTS();
@@ -499,6 +598,7 @@ purge_all(MaintenanceCursor *cursor)
 				publish_all(cursor);
 			}
 		}
+		vacuum_after_purge((MaintenanceUnit) unit, cursor->purged_in_pass[unit]);
 	}
 }
 

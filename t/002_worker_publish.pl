@@ -172,6 +172,23 @@ $node->safe_psql('postgres', "SELECT idempotency.idem_outbox_enqueue('fast', '{\
 wait_published('fast');
 pass('a setting changed by a route function did not stick to the worker');
 
+# --- publishing commits synchronously, also after a purge, whose batches
+# commit asynchronously (the worker purged when it started)
+$node->poll_query_until('postgres',
+	"SELECT worker_last_round IS NOT NULL FROM idempotency.stats")
+  or die "the worker has not purged yet";
+$node->safe_psql('postgres', q{
+	CREATE FUNCTION durability(e idempotency.outbox) RETURNS void LANGUAGE sql AS $$
+		INSERT INTO public.sink (id, topic, key)
+		VALUES (e.id, e.topic, pg_catalog.current_setting('synchronous_commit'))
+	$$;
+	SELECT idempotency.idem_outbox_route('durable', 'function', 'durability');
+	SELECT idempotency.idem_outbox_enqueue('durable', '{}');
+});
+wait_published('durable');
+is($node->safe_psql('postgres', "SELECT key FROM sink WHERE topic = 'durable'"),
+	'on', 'the worker publishes with synchronous_commit on after purging');
+
 # --- SIGHUP: a changed setting is honoured without a restart
 $node->safe_psql('postgres', "ALTER SYSTEM SET idempotency.outbox_retention = '1h'");
 $node->reload;

@@ -140,5 +140,16 @@ ok($node->poll_query_until('postgres',
 ok($node->safe_psql('postgres', 'SELECT purged >= 7000 FROM idempotency.stats') eq 't',
 	'the stats view counts the purged rows');
 
+# --- a pass that deleted most of a table vacuums it at once (twice, so that
+# emptied index pages are reusable): the space comes back for the next rows
+ok($node->poll_query_until('postgres', q{
+		SELECT vacuum_count >= 2 FROM pg_stat_user_tables
+		WHERE relid = 'idempotency.keys'::regclass}),
+	'the worker vacuumed the keys table after purging 5000 of its rows');
+$node->safe_psql('postgres', 'CREATE EXTENSION pg_freespacemap');
+ok($node->safe_psql('postgres', q{
+		SELECT count(*) > 0 FROM pg_freespace('idempotency.keys_pkey') WHERE avail > 0}) eq 't',
+	'the emptied index pages of the keys table are in its free space map');
+
 $node->stop;
 done_testing();
