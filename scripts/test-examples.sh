@@ -37,6 +37,7 @@ for test in examples/*/test.sh; do
 		port=$server_port
 		[ "$via" = pgbouncer ] && port=$IDEM_BOUNCER_PORT
 		"$PGBIN/psql" -X -q -p "$server_port" -d postgres -v ON_ERROR_STOP=1 \
+			-c "SET client_min_messages = warning" \
 			-c "DROP DATABASE IF EXISTS $db" -c "CREATE DATABASE $db" >/dev/null || exit 1
 		"$PGBIN/psql" -X -q -p "$server_port" -d "$db" -v ON_ERROR_STOP=1 \
 			-c "CREATE EXTENSION idempotency" >/dev/null || exit 1

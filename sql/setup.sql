@@ -11,3 +11,12 @@ FROM pg_extension WHERE extname = 'idempotency';
 SHOW idempotency.key_ttl;
 SHOW idempotency.lease;
 SHOW idempotency.release_statuses;
+
+-- every primary key leads with the column a Citus cluster would distribute
+-- the table by (see the README's Citus section)
+SELECT c.relname AS "table", a.attname AS first_primary_key_column
+FROM pg_index i
+JOIN pg_class c ON c.oid = i.indrelid
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+WHERE i.indisprimary AND c.relnamespace = 'idempotency'::regnamespace
+ORDER BY 1;

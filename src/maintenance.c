@@ -13,7 +13,10 @@
 #include "postgres.h"
 
 #include "access/htup_details.h"
+#include "access/xact.h"
 #include "funcapi.h"
+#include "utils/memutils.h"
+#include "utils/resowner.h"
 #include "utils/timestamp.h"
 
 #include "guc.h"
@@ -104,6 +107,51 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 }
 
 /*
+ * One publish batch for idem_run_maintenance: the fast way (up to
+ * publish_batch_size rows in one go) in a subtransaction, and if a row
+ * fails, that subtransaction is undone and the batch is done again the
+ * careful way (a subtransaction per row, so the failing row is recorded and
+ * the others go out), as the worker does with its next batch.
+ */
+static void
+publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts)
+{
+	MemoryContext context = CurrentMemoryContext;
+	ResourceOwner owner = CurrentResourceOwner;
+
+	BeginInternalSubTransaction(NULL);
+	MemoryContextSwitchTo(context);
+	PG_TRY();
+	{
+		cursor->publish_carefully = false;
+		(void) maintenance_batch(UNIT_PUBLISH, cursor, counts);
+		ReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(context);
+		CurrentResourceOwner = owner;
+	}
+	PG_CATCH();
+	{
+		ErrorData  *error;
+
+		/* a cancel or a shutdown ends the call; a failing row does not */
+		MemoryContextSwitchTo(context);
+		error = CopyErrorData();
+		if (error->sqlerrcode == ERRCODE_QUERY_CANCELED ||
+			error->sqlerrcode == ERRCODE_ADMIN_SHUTDOWN)
+			PG_RE_THROW();
+		FreeErrorData(error);
+		FlushErrorState();
+		RollbackAndReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(context);
+		CurrentResourceOwner = owner;
+
+		cursor->publish_carefully = true;
+		(void) maintenance_batch(UNIT_PUBLISH, cursor, counts);
+	}
+	PG_END_TRY();
+}
+
+/*
  * idem_run_maintenance() -> (purged_keys, purged_events, purged_outbox,
  *							   published, publish_failures)
  *
@@ -126,9 +174,13 @@ idem_run_maintenance(PG_FUNCTION_ARGS)
 
 	memset(&counts, 0, sizeof(counts));
 	maintenance_cursor_init(&cursor);
-	cursor.publish_carefully = true;	/* no one here to retry a failed batch */
 	for (int unit = 0; unit < NUM_MAINTENANCE_UNITS; unit++)
-		(void) maintenance_batch((MaintenanceUnit) unit, &cursor, &counts);
+	{
+		if (unit == UNIT_PUBLISH)
+			publish_fast_then_carefully(&cursor, &counts);
+		else
+			(void) maintenance_batch((MaintenanceUnit) unit, &cursor, &counts);
+	}
 
 	values[0] = Int64GetDatum((int64) counts.purged[UNIT_PURGE_KEYS]);
 	values[1] = Int64GetDatum((int64) counts.purged[UNIT_PURGE_EVENTS]);

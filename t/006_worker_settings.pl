@@ -38,6 +38,31 @@ is($plain->safe_psql('postgres', q{
 	'3 0 0', 'the rows were published and the expired ones purged');
 is($plain->safe_psql('postgres', 'SELECT claims IS NULL FROM idempotency.stats'),
 	't', 'without shared memory the counters are NULL');
+
+# one call publishes a whole batch (publish_batch_size, 100) the fast way,
+# more than the careful way's 32; when a row fails, the batch is done again
+# carefully: the failing row is recorded, the others go out
+$plain->safe_psql('postgres',
+	"SELECT idempotency.idem_outbox_enqueue('t', '{}') FROM generate_series(1, 60)");
+is($plain->safe_psql('postgres', 'SELECT published FROM idempotency.idem_run_maintenance()'),
+	'60', 'one call publishes 60 rows in one go');
+$plain->safe_psql('postgres', q{
+	CREATE FUNCTION picky(e idempotency.outbox) RETURNS void LANGUAGE plpgsql AS $$
+	BEGIN
+		IF e.payload ? 'bad' THEN RAISE EXCEPTION 'cannot take event %', e.id; END IF;
+		INSERT INTO public.sink VALUES (e.id);
+	END $$;
+	SELECT idempotency.idem_outbox_route('p', 'function', 'picky');
+	SELECT idempotency.idem_outbox_enqueue('p', '{}', 'k' || n) FROM generate_series(1, 5) n;
+	SELECT idempotency.idem_outbox_enqueue('p', '{"bad": true}', 'k6');
+});
+is($plain->safe_psql('postgres',
+		'SELECT published || \' \' || publish_failures FROM idempotency.idem_run_maintenance()'),
+	'5 1', 'a failing row falls back to the careful way: 5 published, 1 failure');
+is($plain->safe_psql('postgres', q{
+		SELECT state || ' ' || attempts || ' ' || (last_error LIKE '%cannot take event%')
+		FROM idempotency.outbox WHERE topic = 'p'}),
+	'pending 1 true', 'the failing row waits for its retry, with its error');
 $plain->stop;
 
 # --- the allow-list and the worker budget
