@@ -11,7 +11,8 @@ and purging a million expired keys.  The last line printed is one JSON
 object with the headline ratios (ours / reference: higher is better).
 
 Environment: BENCH_SECONDS, BENCH_ROUNDS, BENCH_PUBLISH_SECONDS, BENCH_PURGE_ROWS,
-BENCH_PARTS (a subset of pairs,shapes,publish,purge),
+BENCH_PARTS (a subset of pairs,shapes,publish,purge), BENCH_PAIRS (names of
+the pairs to run, comma-separated; all by default),
 PG_CONFIG.
 """
 
@@ -219,6 +220,9 @@ def main():
         summary = {}
         if "pairs" not in PARTS:
             PAIRS.clear()
+        if os.environ.get("BENCH_PAIRS"):
+            wanted = os.environ["BENCH_PAIRS"].split(",")
+            PAIRS[:] = [pair for pair in PAIRS if pair[0] in wanted]
         header = f"{'workload':28} {'ours tps':>10} {'lat ms':>7} {'ref tps':>10} {'lat ms':>7} {'ratio':>6} {'bar':>5}"
         print(header)
         print("-" * len(header))

@@ -15,6 +15,7 @@
 #include "access/htup_details.h"
 #include "access/xact.h"
 #include "funcapi.h"
+#include "miscadmin.h"
 #include "utils/memutils.h"
 #include "utils/resowner.h"
 #include "utils/timestamp.h"
@@ -179,7 +180,12 @@ idem_run_maintenance(PG_FUNCTION_ARGS)
 		if (unit == UNIT_PUBLISH)
 			publish_fast_then_carefully(&cursor, &counts);
 		else
-			(void) maintenance_batch((MaintenanceUnit) unit, &cursor, &counts);
+		{
+			/* a batch stops after a bounded stretch of the table: go on */
+			while (maintenance_batch((MaintenanceUnit) unit, &cursor, &counts) &&
+				   cursor.purged_in_pass[unit] < (uint64) idem_purge_batch_size)
+				CHECK_FOR_INTERRUPTS();
+		}
 	}
 
 	values[0] = Int64GetDatum((int64) counts.purged[UNIT_PURGE_KEYS]);

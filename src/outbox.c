@@ -308,6 +308,34 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 static SPIPlanPtr plans[NUM_STATEMENTS];
 
 /*
+ * What this backend knows of the routes, so that an enqueue wakes the worker
+ * only for a row the worker will publish: a wake-up costs the worker a
+ * transaction, which at thousands of commits a second of topics that
+ * external relays serve would be a core's worth of work for nothing.  Read
+ * again whenever the database's routes version moves (each commit that
+ * routes, and CREATE EXTENSION, move it).  Knowledge gone stale through a
+ * direct write to outbox_routes costs no row: a row the worker was not woken
+ * for goes out at its next naptime.
+ */
+typedef struct KnownRoute
+{
+	char	   *topic;
+	bool		routed;			/* somewhere other than none */
+} KnownRoute;
+
+typedef struct RoutesCache
+{
+	bool		valid;
+	uint64		version;
+	bool		default_routed; /* "*" is routed somewhere other than none */
+	int			nroutes;
+	KnownRoute *routes;			/* by topic, in byte order (the column is "C") */
+} RoutesCache;
+
+static RoutesCache routes_cache;
+static MemoryContext routes_context = NULL;
+
+/*
  * Enter the context the outbox's statements run in: as the owner of the
  * extension's tables, with search_path pinned to pg_catalog, connected to
  * SPI.  An error on the way out of here is cleaned up by the transaction's
@@ -360,6 +388,76 @@ outbox_sql_run(OutboxStatement statement, Datum *values, const char *nulls)
 		elog(ERROR, "outbox statement %d failed: %s",
 			 (int) statement, SPI_result_code_string(ret));
 	return SPI_processed;
+}
+
+static int
+compare_routes(const void *a, const void *b)
+{
+	return strcmp(((const KnownRoute *) a)->topic, ((const KnownRoute *) b)->topic);
+}
+
+/* Read the routes into routes_cache (see there). */
+static void
+load_routes(uint64 version)
+{
+	OutboxSqlContext context;
+	MemoryContext old;
+	uint64		nroutes;
+
+	routes_cache.valid = false;
+	if (routes_context == NULL)
+		routes_context = AllocSetContextCreate(TopMemoryContext, "idempotency routes",
+											   ALLOCSET_SMALL_SIZES);
+	MemoryContextReset(routes_context);
+
+	outbox_sql_begin(&context);
+	nroutes = outbox_sql_run(STMT_ROUTES, NULL, NULL);
+	old = MemoryContextSwitchTo(routes_context);
+	routes_cache.default_routed = false;
+	routes_cache.nroutes = 0;
+	routes_cache.routes = palloc(sizeof(KnownRoute) * Max(nroutes, 1));
+	for (uint64 i = 0; i < nroutes; i++)
+	{
+		bool		isnull;
+		char	   *topic = TextDatumGetCString(SPI_getbinval(SPI_tuptable->vals[i],
+															  SPI_tuptable->tupdesc, 1, &isnull));
+		bool		routed = DatumGetBool(SPI_getbinval(SPI_tuptable->vals[i],
+														SPI_tuptable->tupdesc, 2, &isnull));
+
+		if (strcmp(topic, "*") == 0)
+			routes_cache.default_routed = routed;
+		else
+		{
+			routes_cache.routes[routes_cache.nroutes].topic = topic;
+			routes_cache.routes[routes_cache.nroutes++].routed = routed;
+		}
+	}
+	qsort(routes_cache.routes, routes_cache.nroutes, sizeof(KnownRoute), compare_routes);
+	MemoryContextSwitchTo(old);
+	outbox_sql_end(&context);
+
+	routes_cache.version = version;
+	routes_cache.valid = true;
+}
+
+/* Will the worker publish rows of this topic?  False without a worker. */
+static bool
+topic_is_routed(text *topic)
+{
+	uint64		version;
+	KnownRoute	key;
+	KnownRoute *found;
+
+	if (!idem_routes_version(&version))
+		return false;
+	if (!routes_cache.valid || routes_cache.version != version)
+		load_routes(version);
+
+	key.topic = text_to_cstring(topic);
+	found = bsearch(&key, routes_cache.routes, routes_cache.nroutes, sizeof(KnownRoute),
+					compare_routes);
+	pfree(key.topic);
+	return found != NULL ? found->routed : routes_cache.default_routed;
 }
 
 /*
@@ -439,7 +537,8 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 
 	idem_insert(&rel, values, nulls);
 	idem_relation_close(&rel);
-	idem_wake_worker_at_commit();
+	if (topic_is_routed(topic))
+		idem_wake_worker_at_commit();
 
 	PG_RETURN_INT64(id);
 }
@@ -580,6 +679,7 @@ idem_outbox_route(PG_FUNCTION_ARGS)
 	outbox_sql_begin(&context);
 	outbox_sql_run(STMT_ROUTE, values, nulls);
 	outbox_sql_end(&context);
+	idem_routes_changed_at_commit();
 
 	PG_RETURN_VOID();
 }

@@ -69,6 +69,7 @@ static IdemDatabaseSlot *my_slot = NULL;
 /* What to do when the current transaction commits. */
 static bool wake_worker_at_commit = false;
 static bool wake_launcher_at_commit = false;
+static bool routes_changed_at_commit = false;
 static bool xact_callback_registered = false;
 
 static Size
@@ -109,7 +110,8 @@ startup_shmem(void)
 		{
 			IdemDatabaseSlot *slot = &shared->slots[i];
 
-			memset(slot, 0, offsetof(IdemDatabaseSlot, counters));
+			memset(slot, 0, offsetof(IdemDatabaseSlot, routes_version));
+			pg_atomic_init_u32(&slot->routes_version, 0);
 			for (int c = 0; c < IDEM_NUM_COUNTERS; c++)
 				pg_atomic_init_u64(&slot->counters[c], 0);
 		}
@@ -188,7 +190,8 @@ idem_database_slot(Oid dboid, bool create)
 	slot = find_slot(dboid);
 	if (slot == NULL && (slot = find_slot(InvalidOid)) != NULL)
 	{
-		memset(slot, 0, offsetof(IdemDatabaseSlot, counters));
+		memset(slot, 0, offsetof(IdemDatabaseSlot, routes_version));
+		pg_atomic_write_u32(&slot->routes_version, 0);
 		for (int c = 0; c < IDEM_NUM_COUNTERS; c++)
 			pg_atomic_write_u64(&slot->counters[c], 0);
 		slot->dboid = dboid;
@@ -197,15 +200,37 @@ idem_database_slot(Oid dboid, bool create)
 	return slot;
 }
 
+/* The slot of this backend's database, taken if it has none yet. */
+static IdemDatabaseSlot *
+my_database_slot(void)
+{
+	if (my_slot == NULL || my_slot->dboid != MyDatabaseId)
+		my_slot = idem_database_slot(MyDatabaseId, true);
+	return my_slot;
+}
+
 void
 idem_count(IdemCounter counter, uint64 n)
 {
 	if (shared == NULL || n == 0)
 		return;
-	if (my_slot == NULL || my_slot->dboid != MyDatabaseId)
-		my_slot = idem_database_slot(MyDatabaseId, true);
-	if (my_slot != NULL)
+	if (my_database_slot() != NULL)
 		pg_atomic_fetch_add_u64(&my_slot->counters[counter], n);
+}
+
+/*
+ * Routes change rarely; the backends that enqueue keep what they read of
+ * them (see outbox.c) for as long as this number stays the same.
+ */
+bool
+idem_routes_version(uint64 *version)
+{
+	if (shared == NULL || my_database_slot() == NULL)
+		return false;
+	/* a recreated extension has a new routes table: the generation says so */
+	*version = ((uint64) my_slot->extension_generation << 32) |
+		pg_atomic_read_u32(&my_slot->routes_version);
+	return true;
 }
 
 static void
@@ -257,6 +282,9 @@ at_transaction_end(XactEvent event, void *arg)
 		event != XACT_EVENT_ABORT && event != XACT_EVENT_PARALLEL_ABORT)
 		return;
 
+	if (committed && shared != NULL && routes_changed_at_commit && my_database_slot() != NULL)
+		pg_atomic_fetch_add_u32(&my_slot->routes_version, 1);
+
 	if (committed && shared != NULL && (wake_worker_at_commit || wake_launcher_at_commit))
 	{
 		IdemDatabaseSlot *slot = idem_database_slot(MyDatabaseId, wake_launcher_at_commit);
@@ -282,6 +310,7 @@ at_transaction_end(XactEvent event, void *arg)
 	}
 	wake_worker_at_commit = false;
 	wake_launcher_at_commit = false;
+	routes_changed_at_commit = false;
 }
 
 static void
@@ -306,6 +335,19 @@ idem_wake_worker_at_commit(void)
 		return;
 	register_xact_callback();
 	wake_worker_at_commit = true;
+}
+
+/*
+ * The routes changed: tell the backends that keep them, and wake the worker
+ * for rows of topics that are routed now.
+ */
+void
+idem_routes_changed_at_commit(void)
+{
+	if (shared == NULL)
+		return;
+	idem_wake_worker_at_commit();
+	routes_changed_at_commit = true;
 }
 
 /*

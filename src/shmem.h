@@ -47,6 +47,7 @@ typedef struct IdemDatabaseSlot
 	uint32		extension_generation;	/* bumped by each CREATE EXTENSION */
 	TimestampTz paused_until;	/* no worker before this (DROP DATABASE) */
 	TimestampTz last_round;		/* when the worker last finished a round */
+	pg_atomic_uint32 routes_version;	/* bumped by each commit that routes */
 	pg_atomic_uint64 counters[IDEM_NUM_COUNTERS];
 } IdemDatabaseSlot;
 
@@ -64,5 +65,12 @@ extern int	idem_max_databases_slots(void);
 
 /* Ask, from any backend, for something to happen when its transaction commits. */
 extern void idem_wake_worker_at_commit(void);
+extern void idem_routes_changed_at_commit(void);
+
+/*
+ * This database's routes version, which moves with each commit that routes
+ * and each CREATE EXTENSION: false without shared memory.
+ */
+extern bool idem_routes_version(uint64 *version);
 
 #endif							/* IDEMPOTENCY_SHMEM_H */

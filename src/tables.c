@@ -580,13 +580,17 @@ idem_delete(IdemRelation *rel, ItemPointer tid, bool wait)
 }
 
 /*
- * Delete up to limit rows whose expires_at has passed, in one pass over the
- * heap from *next_block.  The tables have no index on expires_at (it would
- * make idem_complete's update non-HOT), so the purge walks the heap in
- * order, batch after batch; *next_block is where the next batch starts, or
- * InvalidBlockNumber once the pass reached the end.  A row that another
- * transaction holds or has changed is left for the next pass.
+ * Delete up to limit rows whose expires_at has passed, walking the heap from
+ * *next_block.  The tables have no index on expires_at (it would make
+ * idem_complete's update non-HOT), so the purge walks the heap in order,
+ * batch after batch; *next_block is where the next batch starts, or
+ * InvalidBlockNumber once the pass reached the end.  A batch also stops
+ * after PURGE_MAX_BLOCKS pages, so that one with little to delete does not
+ * read a whole large table in one go while ready outbox rows wait for the
+ * worker.  A row that another transaction holds or has changed is left for
+ * the next pass.
  */
+#define PURGE_MAX_BLOCKS	1024
 uint64
 idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 				   BlockNumber *next_block)
@@ -609,6 +613,12 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 	{
 		table_close(heap, NoLock);
 		return 0;
+	}
+
+	if (nblocks - start > PURGE_MAX_BLOCKS)
+	{
+		*next_block = start + PURGE_MAX_BLOCKS;
+		nblocks = start + PURGE_MAX_BLOCKS;
 	}
 
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());

@@ -499,15 +499,18 @@ publish_all(MaintenanceCursor *cursor)
 }
 
 /*
- * VACUUM idempotency.<name>, as a top-level command would.  It ends the
- * current transaction, vacuums in transactions of its own, and starts a new
- * one; what it was given must live in that first transaction, as here.
+ * VACUUM (TRUNCATE false) idempotency.<name>, as a top-level command would.
+ * It ends the current transaction, vacuums in transactions of its own, and
+ * starts a new one; what it was given must live in that first transaction,
+ * as here.  No truncation: it would take an ACCESS EXCLUSIVE lock that
+ * stops every claim, only for the next rows to extend the file again.
  */
 static void
 vacuum_table(const char *name)
 {
 	VacuumStmt *stmt = makeNode(VacuumStmt);
 
+	stmt->options = list_make1(makeDefElem("truncate", (Node *) makeString("false"), -1));
 	stmt->rels = list_make1(makeVacuumRelation(makeRangeVar("idempotency", (char *) name, -1),
 											   InvalidOid, NIL));
 	stmt->is_vacuumcmd = true;

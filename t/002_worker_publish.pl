@@ -64,6 +64,27 @@ my $delay = $node->safe_psql('postgres',
 	"SELECT extract(epoch FROM published_at - created_at) FROM sink WHERE topic = 'fast'");
 cmp_ok($delay, '<', 1.0, "published ${delay}s after the enqueue, with naptime 10s");
 
+# --- an enqueue wakes the worker only for a routed topic, as this session
+# knows the routes; a commit that routes moves what it knows.  In one
+# session: a row of an unrouted topic (no wake-up, nothing to publish), the
+# route (its commit wakes the worker for that row), then another row, which
+# must wake the worker itself: with a stale view of the routes it would wait
+# for the naptime, 10 s.
+$node->safe_psql('postgres', q{
+	SELECT idempotency.idem_outbox_enqueue('late', '{"n": 1}');
+	SELECT pg_sleep(0.5);
+	SELECT idempotency.idem_outbox_route('late', 'function', 'sink_it');
+	SELECT pg_sleep(0.5);
+	SELECT idempotency.idem_outbox_enqueue('late', '{"n": 2}');
+});
+wait_published('late');
+is($node->safe_psql('postgres', q{
+		SELECT count(*) || ' ' || bool_and(published_at - created_at < interval '2 s')
+		FROM sink WHERE topic = 'late' AND id = (SELECT max(id) FROM sink WHERE topic = 'late')}),
+	'1 true', 'a row enqueued after its topic was routed wakes the worker at once');
+is($node->safe_psql('postgres', "SELECT count(*) FROM sink WHERE topic = 'late'"),
+	'2', 'both rows of the newly routed topic are published');
+
 # --- function target: every row once, in id order per key, with concurrent enqueuers
 my $script = $node->basedir . '/enqueue.sql';
 append_to_file($script, q{
