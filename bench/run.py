@@ -177,14 +177,14 @@ def fill_expired(cluster, table):
         FROM generate_series(1, {PURGE_ROWS}) n""")
 
 
-def wait_worker_idle(cluster, timeout=60):
-    """A purge is over when the worker is: it vacuums a table after purging
-    most of it.  Idle three looks in a row, 50 ms apart."""
-    deadline, idle = time.time() + timeout, 0
-    while idle < 3 and time.time() < deadline:
-        busy = cluster.psql("SELECT count(*) FROM pg_stat_activity"
-                            " WHERE application_name = 'idempotency worker' AND state = 'active'")
-        idle = idle + 1 if busy == "0" else 0
+def wait_pass_over(cluster, timeout=60):
+    """A purge is over when the worker's pass is: after the last rows, it
+    walks the rest of the table and vacuums a table it purged most of.
+    The stats view's worker_last_round is when the last pass ended."""
+    now = cluster.psql("SELECT clock_timestamp()")
+    deadline = time.time() + timeout
+    while time.time() < deadline and cluster.psql(
+            f"SELECT worker_last_round > '{now}' FROM idempotency.stats") != "t":
         time.sleep(0.05)
 
 
@@ -202,7 +202,7 @@ def purge_cycle(cluster, foreground_seconds=None):
     while counter(cluster, "purged") - before < PURGE_ROWS:
         time.sleep(0.05)
     elapsed = time.time() - start
-    wait_worker_idle(cluster)
+    wait_pass_over(cluster)
     size = int(cluster.psql("SELECT pg_total_relation_size('idempotency.keys')"))
     return PURGE_ROWS / elapsed, elapsed, size, foreground
 
