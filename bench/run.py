@@ -227,6 +227,13 @@ def main():
         print(header)
         print("-" * len(header))
         for name, ours, ref, bar in PAIRS:
+            if name == "replay_vs_pk_select":
+                # the same rows on both sides: the claims before have grown
+                # the keys table (and its index) far past the reference's
+                cluster.psql("TRUNCATE bench_replay;"
+                             " INSERT INTO bench_replay SELECT * FROM idempotency.keys")
+                cluster.psql("VACUUM ANALYZE bench_replay")
+                cluster.psql("VACUUM ANALYZE idempotency.keys")
             median, ratio = compare(cluster, ours, ref)
             summary[name] = round(ratio, 3)
             print(f"{name:28} {median['ours'][0]:10.0f} {median['ours'][1]:7.2f} "

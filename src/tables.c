@@ -136,6 +136,20 @@ static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
 static Oid	cached_relid[IDEM_NUM_TABLES];
 static Oid	cached_owner = InvalidOid;	/* of keys, see idem_tables_owner */
 static Oid	cached_sequence = InvalidOid;	/* outbox ids, see idem_outbox_next_id */
+
+/*
+ * The row version this transaction wrote last, so that the next call about
+ * the same key in the same transaction (idem_complete after idem_claim) finds
+ * it without a second descent of the primary key: see probe_own_row.
+ */
+typedef struct OwnRow
+{
+	Oid			relid;
+	TransactionId xid;			/* the top-level transaction that wrote it */
+	ItemPointerData tid;
+} OwnRow;
+
+static OwnRow own_row;
 static bool invalidation_registered = false;
 
 static void
@@ -312,6 +326,76 @@ idem_relation_close(IdemRelation *rel)
 	table_close(rel->heap, NoLock);
 }
 
+static void
+remember_own_row(IdemRelation *rel, ItemPointer tid)
+{
+	own_row.relid = RelationGetRelid(rel->heap);
+	own_row.xid = GetTopTransactionId();
+	own_row.tid = *tid;
+}
+
+/* Is this text datum, which came from a row, the same bytes as that one? */
+static bool
+same_text(Datum stored, Datum wanted)
+{
+	struct varlena *a = (struct varlena *) DatumGetPointer(stored);
+	struct varlena *b = (struct varlena *) DatumGetPointer(wanted);
+
+	if (VARATT_IS_EXTENDED(a) && !VARATT_IS_SHORT(a))
+		return false;			/* compressed or toasted: let the probe decide */
+	return VARSIZE_ANY_EXHDR(a) == VARSIZE_ANY_EXHDR(b) &&
+		memcmp(VARDATA_ANY(a), VARDATA_ANY(b), VARSIZE_ANY_EXHDR(a)) == 0;
+}
+
+/*
+ * The row this transaction wrote last, if it is the current version of the
+ * key asked for.  It is, when the version at the remembered place was
+ * written by this transaction (not by an aborted subtransaction), has not
+ * been updated, deleted or locked since (xmax unset), and holds that key:
+ * no other transaction can have touched an uncommitted row of ours, and the
+ * primary key allows no other live version.  Anything less, and the caller
+ * probes the index as usual.
+ */
+static bool
+probe_own_row(IdemRelation *rel, const Datum *pkey_values, ProbeResult *result)
+{
+	const ExpectedTable *def = &table_defs[rel->table];
+	TupleTableSlot *slot;
+	HeapTuple	tuple;
+	bool		found = false;
+
+	if (def->pkey_eq != two_text_columns_eq ||
+		own_row.relid != RelationGetRelid(rel->heap) ||
+		own_row.xid != GetTopTransactionIdIfAny() ||
+		!TransactionIdIsValid(own_row.xid))
+		return false;
+
+	slot = table_slot_create(rel->heap, NULL);
+	if (table_tuple_fetch_row_version(rel->heap, &own_row.tid, SnapshotAny, slot))
+	{
+		tuple = ExecFetchSlotHeapTuple(slot, false, NULL);
+		found = (tuple->t_data->t_infomask & HEAP_XMAX_INVALID) != 0 &&
+			TransactionIdIsCurrentTransactionId(HeapTupleHeaderGetXmin(tuple->t_data));
+		for (int i = 0; found && i < def->npkey; i++)
+		{
+			bool		isnull;
+			Datum		value = slot_getattr(slot, i + 1, &isnull);
+
+			found = !isnull && same_text(value, pkey_values[i]);
+		}
+	}
+	if (found)
+	{
+		memset(result, 0, sizeof(ProbeResult));
+		result->outcome = PROBE_FOUND;
+		result->tuple = ExecCopySlotHeapTuple(slot);
+		result->tid = own_row.tid;
+		result->written_by_us = true;
+	}
+	ExecDropSingleTupleTableSlot(slot);
+	return found;
+}
+
 /*
  * Look a primary key up under a dirty snapshot.  The dirty snapshot sees
  * committed rows, this transaction's rows, and rows that other transactions
@@ -327,6 +411,9 @@ idem_probe(IdemRelation *rel, const Datum *pkey_values, ProbeResult *result)
 	ScanKeyData scankeys[INDEX_MAX_KEYS];
 	IndexScanDesc scan;
 	TupleTableSlot *slot;
+
+	if (probe_own_row(rel, pkey_values, result))
+		return;
 
 	memset(result, 0, sizeof(ProbeResult));
 	result->outcome = PROBE_ABSENT;
@@ -490,6 +577,8 @@ idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls)
 	inserted = insert_index_entries(rel, slot, UNIQUE_CHECK_PARTIAL, false, false);
 	table_tuple_complete_speculative(rel->heap, slot, token, inserted);
 	SpeculativeInsertionLockRelease(xid);
+	if (inserted)
+		remember_own_row(rel, &slot->tts_tid);
 
 	ExecDropSingleTupleTableSlot(slot);
 	CommandCounterIncrement();
@@ -555,6 +644,7 @@ idem_update(IdemRelation *rel, ItemPointer tid, Datum *values, bool *nulls,
 								&tmfd, &lockmode, &update_indexes);
 	if (result == TM_Ok)
 	{
+		remember_own_row(rel, &slot->tts_tid);
 		/* a HOT update (the usual case) needs no index entries */
 		if (COMPAT_UPDATE_NEEDS_ANY_INDEX(update_indexes))
 			insert_index_entries(rel, slot, UNIQUE_CHECK_YES, true, update_indexes);
