@@ -39,10 +39,13 @@ PURGE_ROWS = int(os.environ.get("BENCH_PURGE_ROWS", "1000000"))
 PARTS = os.environ.get("BENCH_PARTS", "pairs,shapes,publish,purge").split(",")
 
 # (name in the JSON, our script, the reference script, the bar)
+# The replay pair goes first, while the keys table holds the same 100,000
+# stored responses as its reference: the claims of the other pairs grow it
+# several times over, past what shared_buffers holds beside the reference.
 PAIRS = [
+    ("replay_vs_pk_select", "replay.sql", "pk_select.sql", 0.90),
     ("claim_complete_vs_floor", "claim_complete.sql", "floor.sql", 0.90),
     ("claim_complete_vs_plpgsql", "claim_complete.sql", "plpgsql.sql", 1.30),
-    ("replay_vs_pk_select", "replay.sql", "pk_select.sql", 0.90),
     ("mark_processed_vs_insert", "mark_processed.sql", "insert_events.sql", 0.95),
     ("enqueue_vs_insert", "enqueue.sql", "insert_outbox.sql", 0.90),
 ]
@@ -227,13 +230,6 @@ def main():
         print(header)
         print("-" * len(header))
         for name, ours, ref, bar in PAIRS:
-            if name == "replay_vs_pk_select":
-                # the same rows on both sides: the claims before have grown
-                # the keys table (and its index) far past the reference's
-                cluster.psql("TRUNCATE bench_replay;"
-                             " INSERT INTO bench_replay SELECT * FROM idempotency.keys")
-                cluster.psql("VACUUM ANALYZE bench_replay")
-                cluster.psql("VACUUM ANALYZE idempotency.keys")
             median, ratio = compare(cluster, ours, ref)
             summary[name] = round(ratio, 3)
             print(f"{name:28} {median['ours'][0]:10.0f} {median['ours'][1]:7.2f} "
