@@ -84,6 +84,13 @@ SET LOCAL enable_bitmapscan = off;
 EXPLAIN (COSTS OFF) SELECT key FROM keys WHERE status_code = 200 AND scope = 's';
 SELECT key FROM keys WHERE status_code = 200 AND scope = 's';
 ROLLBACK;
+-- a claim after TRUNCATE in the same transaction finds the table anew
+BEGIN;
+SELECT outcome FROM idem_claim('s', 'before-truncate');
+TRUNCATE keys;
+SELECT outcome FROM idem_claim('s', 'after-truncate');
+SELECT idem_complete('s', 'after-truncate', 200, 'ok');
+ROLLBACK;
 -- and so is a partial one: a row gets an entry only once it matches
 BEGIN;
 CREATE INDEX keys_completed ON keys (completed_at) WHERE status_code = 201;

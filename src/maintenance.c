@@ -134,17 +134,19 @@ publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
 	{
 		ErrorData  *error;
 
-		/* a cancel or a shutdown ends the call; a failing row does not */
 		MemoryContextSwitchTo(context);
 		error = CopyErrorData();
-		if (error->sqlerrcode == ERRCODE_QUERY_CANCELED ||
-			error->sqlerrcode == ERRCODE_ADMIN_SHUTDOWN)
-			PG_RE_THROW();
-		FreeErrorData(error);
 		FlushErrorState();
 		RollbackAndReleaseCurrentSubTransaction();
 		MemoryContextSwitchTo(context);
 		CurrentResourceOwner = owner;
+
+		/* a cancel, a shutdown or no memory ends the call; a failing row does not */
+		if (error->sqlerrcode == ERRCODE_QUERY_CANCELED ||
+			error->sqlerrcode == ERRCODE_ADMIN_SHUTDOWN ||
+			error->sqlerrcode == ERRCODE_OUT_OF_MEMORY)
+			ReThrowError(error);
+		FreeErrorData(error);
 
 		cursor->publish_carefully = true;
 		(void) maintenance_batch(UNIT_PUBLISH, cursor, counts);

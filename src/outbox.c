@@ -52,6 +52,7 @@
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/regproc.h"
+#include "utils/snapmgr.h"
 #include "utils/syscache.h"
 #include "utils/timestamp.h"
 #include "utils/tuplestore.h"
@@ -363,12 +364,10 @@ outbox_sql_end(OutboxSqlContext *context)
 	SetUserIdAndSecContext(context->saved_userid, context->saved_sec_context);
 }
 
-/* Run one of the statements above; returns SPI_processed. */
-static uint64
-outbox_sql_run(OutboxStatement statement, Datum *values, const char *nulls)
+/* The plan of one of the statements above, prepared on first use. */
+static SPIPlanPtr
+outbox_plan(OutboxStatement statement)
 {
-	int			ret;
-
 	if (plans[statement] == NULL)
 	{
 		const StatementDef *def = &statements[statement];
@@ -382,8 +381,15 @@ outbox_sql_run(OutboxStatement statement, Datum *values, const char *nulls)
 			elog(ERROR, "could not keep outbox statement %d", (int) statement);
 		plans[statement] = plan;
 	}
+	return plans[statement];
+}
 
-	ret = SPI_execute_plan(plans[statement], values, nulls, false, 0);
+/* Run one of the statements above; returns SPI_processed. */
+static uint64
+outbox_sql_run(OutboxStatement statement, Datum *values, const char *nulls)
+{
+	int			ret = SPI_execute_plan(outbox_plan(statement), values, nulls, false, 0);
+
 	if (ret < 0)
 		elog(ERROR, "outbox statement %d failed: %s",
 			 (int) statement, SPI_result_code_string(ret));
@@ -410,8 +416,16 @@ load_routes(uint64 version)
 											   ALLOCSET_SMALL_SIZES);
 	MemoryContextReset(routes_context);
 
+	/*
+	 * Read with the latest snapshot, not the transaction's: under REPEATABLE
+	 * READ, the transaction's could predate the version read by the caller,
+	 * and what we keep would then pass for that version.
+	 */
 	outbox_sql_begin(&context);
-	nroutes = outbox_sql_run(STMT_ROUTES, NULL, NULL);
+	if (SPI_execute_snapshot(outbox_plan(STMT_ROUTES), NULL, NULL, GetLatestSnapshot(),
+							 InvalidSnapshot, true, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the outbox routes");
+	nroutes = SPI_processed;
 	old = MemoryContextSwitchTo(routes_context);
 	routes_cache.default_routed = false;
 	routes_cache.nroutes = 0;
@@ -436,8 +450,12 @@ load_routes(uint64 version)
 	MemoryContextSwitchTo(old);
 	outbox_sql_end(&context);
 
+	/*
+	 * This transaction's own route changes are in what we read, but they may
+	 * yet roll back, without moving the version: keep them for this call only.
+	 */
 	routes_cache.version = version;
-	routes_cache.valid = true;
+	routes_cache.valid = !idem_routes_changed_in_transaction();
 }
 
 /* Will the worker publish rows of this topic?  False without a worker. */

@@ -350,6 +350,13 @@ idem_routes_changed_at_commit(void)
 	routes_changed_at_commit = true;
 }
 
+/* Has the current transaction changed the routes? */
+bool
+idem_routes_changed_in_transaction(void)
+{
+	return routes_changed_at_commit;
+}
+
 /*
  * DROP DATABASE, ALTER DATABASE ... RENAME or SET TABLESPACE, and CREATE
  * DATABASE ... TEMPLATE need the database to themselves.  Ask its worker to

@@ -66,6 +66,7 @@ extern int	idem_max_databases_slots(void);
 /* Ask, from any backend, for something to happen when its transaction commits. */
 extern void idem_wake_worker_at_commit(void);
 extern void idem_routes_changed_at_commit(void);
+extern bool idem_routes_changed_in_transaction(void);
 
 /*
  * This database's routes version, which moves with each commit that routes

@@ -160,6 +160,9 @@ forget_cached_table(Datum arg, Oid relid)
 	if (relid == InvalidOid || relid == cached_sequence ||
 		relid == cached_relid[IDEM_TABLE_OUTBOX])
 		cached_sequence = InvalidOid;
+	/* TRUNCATE, CLUSTER and the like move rows: forget where ours was */
+	if (relid == InvalidOid || relid == own_row.relid)
+		own_row.relid = InvalidOid;
 	for (int i = 0; i < IDEM_NUM_TABLES; i++)
 		if (relid == InvalidOid || relid == cached_relid[i])
 			cached_relid[i] = InvalidOid;
@@ -341,8 +344,8 @@ same_text(Datum stored, Datum wanted)
 	struct varlena *a = (struct varlena *) DatumGetPointer(stored);
 	struct varlena *b = (struct varlena *) DatumGetPointer(wanted);
 
-	if (VARATT_IS_EXTENDED(a) && !VARATT_IS_SHORT(a))
-		return false;			/* compressed or toasted: let the probe decide */
+	if (VARATT_IS_EXTERNAL(a) || VARATT_IS_COMPRESSED(a))
+		return false;			/* toasted or compressed: let the probe decide */
 	return VARSIZE_ANY_EXHDR(a) == VARSIZE_ANY_EXHDR(b) &&
 		memcmp(VARDATA_ANY(a), VARDATA_ANY(b), VARSIZE_ANY_EXHDR(a)) == 0;
 }

@@ -30,14 +30,15 @@
  * until promotion.
  *
  * A worker publishes ready outbox rows whenever it wakes (a commit that
- * enqueued, or every idempotency.naptime), and once an
+ * enqueued rows of a routed topic, or every idempotency.naptime), and once an
  * idempotency.purge_interval purges expired keys, processed events past
  * retention and published outbox rows past retention, and vacuums a table
  * at once when a pass deleted a large share of it (see vacuum_after_purge).
  * Each batch is a transaction of its own; an ERROR in one is logged and the
  * work is tried again next round, so one bad row never stops the worker.  A
- * commit that enqueued an outbox row sets the worker's latch, so publishing
- * starts within milliseconds; otherwise it sleeps idempotency.naptime.
+ * commit that enqueued rows of a topic the worker publishes sets its latch,
+ * so publishing starts within milliseconds; otherwise it sleeps
+ * idempotency.naptime.
  *
  *-------------------------------------------------------------------------
  */
@@ -498,75 +499,52 @@ publish_all(MaintenanceCursor *cursor)
 		CHECK_FOR_INTERRUPTS();
 }
 
+/* Publish now if a commit enqueued rows since we last looked. */
+static void
+publish_if_woken(MaintenanceCursor *cursor)
+{
+	if (MyLatch->is_set)
+	{
+		ResetLatch(MyLatch);
+		publish_all(cursor);
+	}
+}
+
 /*
- * VACUUM (TRUNCATE false) idempotency.<name>, as a top-level command would.
- * It ends the current transaction, vacuums in transactions of its own, and
- * starts a new one; what it was given must live in that first transaction,
- * as here.  No truncation: it would take an ACCESS EXCLUSIVE lock that
- * stops every claim, only for the next rows to extend the file again.
+ * VACUUM (TRUNCATE false) idempotency.<name>, as a top-level command would,
+ * in a transaction started here.  ExecVacuum ends that transaction, vacuums
+ * in transactions of its own and starts another, which we commit; what it is
+ * given must outlive the first transaction, so it lives in vacuum_context,
+ * which also parents vacuum's own memory (as a portal's context would).  No
+ * truncation: it would take an ACCESS EXCLUSIVE lock that stops every claim,
+ * only for the next rows to extend the file again.  An ERROR is reported and
+ * swallowed: autovacuum remains.
  */
 static void
 vacuum_table(const char *name)
 {
-	VacuumStmt *stmt = makeNode(VacuumStmt);
+	static MemoryContext vacuum_context = NULL;
+	MemoryContext old;
+	VacuumStmt *stmt;
 
+	if (vacuum_context == NULL)
+		vacuum_context = AllocSetContextCreate(TopMemoryContext, "idempotency vacuum",
+											   ALLOCSET_DEFAULT_SIZES);
+	old = MemoryContextSwitchTo(vacuum_context);
+	stmt = makeNode(VacuumStmt);
 	stmt->options = list_make1(makeDefElem("truncate", (Node *) makeString("false"), -1));
-	stmt->rels = list_make1(makeVacuumRelation(makeRangeVar("idempotency", (char *) name, -1),
+	stmt->rels = list_make1(makeVacuumRelation(makeRangeVar("idempotency", pstrdup(name), -1),
 											   InvalidOid, NIL));
 	stmt->is_vacuumcmd = true;
-	ExecVacuum(make_parsestate(NULL), stmt, true);
-}
-
-/*
- * After a pass that deleted a large share of a table, vacuum it now rather
- * than when autovacuum next looks (up to autovacuum_naptime later, and only
- * past its own thresholds): until a vacuum, the deleted rows' space cannot
- * be reused, and the next rows to expire would grow the table instead.
- * "Large" is autovacuum's default rule: more than 1000 rows plus a fifth of
- * the table.  An ERROR is reported and swallowed; autovacuum remains.
- *
- * Twice: the index pages the first vacuum empties and deletes may be reused
- * only once every transaction that could still be reading them has ended,
- * which a transaction ID taken after their deletion proves; the second
- * vacuum then finds them safe and hands them to the free space map, where
- * the next rows' index entries find them.  Otherwise the indexes would keep
- * a second copy of their size until some later vacuum.
- */
-static void
-vacuum_after_purge(MaintenanceUnit unit, uint64 purged)
-{
-	static const char *const tables[NUM_MAINTENANCE_UNITS] = {
-		[UNIT_PURGE_KEYS] = "keys",
-		[UNIT_PURGE_EVENTS] = "processed_events",
-		[UNIT_PURGE_OUTBOX] = "outbox",
-	};
-
-	if (purged <= 1000)
-		return;
+	MemoryContextSwitchTo(old);
 
 	SetCurrentStatementStartTimestamp();
 	StartTransactionCommand();
 	pgstat_report_activity(STATE_RUNNING, "vacuuming after a purge");
+	PortalContext = vacuum_context;
 	PG_TRY();
 	{
-		Relation	rel = table_openrv_extended(makeRangeVar("idempotency",
-															 (char *) tables[unit], -1),
-												AccessShareLock, true);
-		bool		large;
-
-		/* reltuples is -1 for a table never vacuumed nor analyzed */
-		large = rel != NULL &&
-			(rel->rd_rel->reltuples < 0 || purged > 1000 + 0.2 * rel->rd_rel->reltuples);
-		if (rel != NULL)
-			table_close(rel, AccessShareLock);
-		if (large)
-		{
-			vacuum_table(tables[unit]);
-			(void) GetTopTransactionId();
-			CommitTransactionCommand();
-			StartTransactionCommand();
-			vacuum_table(tables[unit]);
-		}
+		ExecVacuum(make_parsestate(NULL), stmt, true);
 		CommitTransactionCommand();
 	}
 	PG_CATCH();
@@ -578,7 +556,85 @@ vacuum_after_purge(MaintenanceUnit unit, uint64 purged)
 		RESUME_INTERRUPTS();
 	}
 	PG_END_TRY();
+	PortalContext = NULL;
+	MemoryContextReset(vacuum_context);
 	pgstat_report_activity(STATE_IDLE, NULL);
+}
+
+/*
+ * Did the pass delete a large share of the table?  "Large" is autovacuum's
+ * default rule: more than 1000 rows plus a fifth of the table.
+ */
+static bool
+purged_most_of(const char *name, uint64 purged)
+{
+	bool		large = false;
+
+	if (purged <= 1000)
+		return false;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	PG_TRY();
+	{
+		Relation	rel = table_openrv_extended(makeRangeVar("idempotency", (char *) name, -1),
+												AccessShareLock, true);
+
+		/* reltuples is -1 for a table never vacuumed nor analyzed */
+		large = rel != NULL &&
+			(rel->rd_rel->reltuples < 0 || purged > 1000 + 0.2 * rel->rd_rel->reltuples);
+		if (rel != NULL)
+			table_close(rel, AccessShareLock);
+		CommitTransactionCommand();
+	}
+	PG_CATCH();
+	{
+		HOLD_INTERRUPTS();
+		EmitErrorReport();
+		AbortCurrentTransaction();
+		FlushErrorState();
+		RESUME_INTERRUPTS();
+		large = false;
+	}
+	PG_END_TRY();
+	return large;
+}
+
+/*
+ * After a pass that deleted most of a table, vacuum it now rather than when
+ * autovacuum next looks (up to autovacuum_naptime later, and only past its
+ * own thresholds): until a vacuum, the deleted rows' space cannot be reused,
+ * and the next rows to expire would grow the table instead.
+ *
+ * Twice: the index pages the first vacuum empties and deletes may be reused
+ * only once every transaction that could still be reading them has ended,
+ * which a transaction ID taken after their deletion proves; the second
+ * vacuum then finds them safe and hands them to the free space map, where
+ * the next rows' index entries find them.  Otherwise the indexes would keep
+ * a second copy of their size until some later vacuum.  Rows enqueued
+ * meanwhile are published before each vacuum.
+ */
+static void
+vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit)
+{
+	static const char *const tables[NUM_MAINTENANCE_UNITS] = {
+		[UNIT_PURGE_KEYS] = "keys",
+		[UNIT_PURGE_EVENTS] = "processed_events",
+		[UNIT_PURGE_OUTBOX] = "outbox",
+	};
+
+	if (!purged_most_of(tables[unit], cursor->purged_in_pass[unit]))
+		return;
+
+	publish_if_woken(cursor);
+	vacuum_table(tables[unit]);
+
+	StartTransactionCommand();
+	(void) GetTopTransactionId();
+	CommitTransactionCommand();
+
+	publish_if_woken(cursor);
+	vacuum_table(tables[unit]);
 }
 
 /*
@@ -595,13 +651,9 @@ purge_all(MaintenanceCursor *cursor)
 		while (run_batch((MaintenanceUnit) unit, cursor))
 		{
 			CHECK_FOR_INTERRUPTS();
-			if (MyLatch->is_set)
-			{
-				ResetLatch(MyLatch);
-				publish_all(cursor);
-			}
+			publish_if_woken(cursor);
 		}
-		vacuum_after_purge((MaintenanceUnit) unit, cursor->purged_in_pass[unit]);
+		vacuum_after_purge(cursor, (MaintenanceUnit) unit);
 	}
 }
 
@@ -682,8 +734,9 @@ idem_worker_main(Datum main_arg)
 		}
 
 		/*
-		 * Publish on every wake-up (a commit that enqueued sets the latch, or
-		 * the naptime passed); purge once a purge_interval.
+		 * Publish on every wake-up (a commit that enqueued rows of a routed
+		 * topic sets the latch, or the naptime passed); purge once a
+		 * purge_interval.
 		 */
 		publish_all(&cursor);
 		if (TimestampDifferenceExceeds(last_purge, GetCurrentTimestamp(), idem_purge_interval_ms))

@@ -85,6 +85,21 @@ is($node->safe_psql('postgres', q{
 is($node->safe_psql('postgres', "SELECT count(*) FROM sink WHERE topic = 'late'"),
 	'2', 'both rows of the newly routed topic are published');
 
+# a route change that rolls back leaves nothing behind in what the session
+# knows: its next row of the (still routed) topic wakes the worker at once
+$node->safe_psql('postgres', q{
+	BEGIN;
+	SELECT idempotency.idem_outbox_route('late', 'none');
+	SELECT idempotency.idem_outbox_enqueue('late', '{"n": 3}');
+	ROLLBACK;
+	SELECT idempotency.idem_outbox_enqueue('late', '{"n": 4}');
+});
+wait_published('late');
+is($node->safe_psql('postgres', q{
+		SELECT bool_and(published_at - created_at < interval '2 s')
+		FROM sink WHERE topic = 'late' AND id = (SELECT max(id) FROM sink WHERE topic = 'late')}),
+	't', 'after a rolled-back route change, a row of the routed topic wakes the worker at once');
+
 # --- function target: every row once, in id order per key, with concurrent enqueuers
 my $script = $node->basedir . '/enqueue.sql';
 append_to_file($script, q{

@@ -63,6 +63,26 @@ is($plain->safe_psql('postgres', q{
 		SELECT state || ' ' || attempts || ' ' || (last_error LIKE '%cannot take event%')
 		FROM idempotency.outbox WHERE topic = 'p'}),
 	'pending 1 true', 'the failing row waits for its retry, with its error');
+
+# a cancel (here a statement timeout) during the fast batch ends the call,
+# and leaves the session as it found it
+$plain->safe_psql('postgres', q{
+	CREATE FUNCTION slow(e idempotency.outbox) RETURNS void LANGUAGE sql AS 'SELECT pg_sleep(2)';
+	SELECT idempotency.idem_outbox_route('s', 'function', 'slow');
+	SELECT idempotency.idem_outbox_enqueue('s', '{}');
+});
+($ret, $out, $err) = $plain->psql('postgres', q{
+	SET statement_timeout = '300ms';
+	SELECT * FROM idempotency.idem_run_maintenance();
+	RESET statement_timeout;
+	SELECT 'still ' || 'fine';
+	BEGIN;
+	SELECT 'and ' || 'transactions work';
+	COMMIT;
+}, on_error_stop => 0);
+like($err, qr/canceling statement due to statement timeout/, 'the timeout ends idem_run_maintenance');
+unlike($err, qr/FATAL|current transaction is aborted/, 'and leaves no broken transaction behind');
+like($out, qr/still fine\nand transactions work/, 'the session goes on');
 $plain->stop;
 
 # --- the allow-list and the worker budget
