@@ -42,4 +42,5 @@ BEGIN
 	END LOOP;
 END $$;
 
-ANALYZE;
+-- hint bits and visibility map set on every table alike before the first run
+VACUUM ANALYZE;
