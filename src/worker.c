@@ -436,6 +436,20 @@ extension_installed(void)
 }
 
 /*
+ * In a PG_CATCH of the worker's own transaction: log the error, abort the
+ * transaction, and go on.
+ */
+static void
+report_and_abort(void)
+{
+	HOLD_INTERRUPTS();
+	EmitErrorReport();
+	AbortCurrentTransaction();
+	FlushErrorState();
+	RESUME_INTERRUPTS();
+}
+
+/*
  * One batch of one kind of work, in a transaction of its own.  An ERROR is
  * reported and swallowed: the work is tried again next round.  Returns
  * whether another batch has work to do.
@@ -472,11 +486,7 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	}
 	PG_CATCH();
 	{
-		HOLD_INTERRUPTS();
-		EmitErrorReport();
-		AbortCurrentTransaction();
-		FlushErrorState();
-		RESUME_INTERRUPTS();
+		report_and_abort();
 
 		/* a publish batch that failed the fast way is retried carefully at once */
 		more = unit == UNIT_PUBLISH && cursor->last_publish_was_fast;
@@ -549,11 +559,7 @@ vacuum_table(const char *name)
 	}
 	PG_CATCH();
 	{
-		HOLD_INTERRUPTS();
-		EmitErrorReport();
-		AbortCurrentTransaction();
-		FlushErrorState();
-		RESUME_INTERRUPTS();
+		report_and_abort();
 	}
 	PG_END_TRY();
 	PortalContext = NULL;
@@ -589,11 +595,7 @@ purged_most_of(const char *name, uint64 purged)
 	}
 	PG_CATCH();
 	{
-		HOLD_INTERRUPTS();
-		EmitErrorReport();
-		AbortCurrentTransaction();
-		FlushErrorState();
-		RESUME_INTERRUPTS();
+		report_and_abort();
 		large = false;
 	}
 	PG_END_TRY();
