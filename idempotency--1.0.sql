@@ -358,6 +358,7 @@ CREATE FUNCTION idempotency.idem_stats_counters(OUT claims bigint,
 												OUT purged bigint,
 												OUT published bigint,
 												OUT publish_failures bigint,
+												OUT purge_yields bigint,
 												OUT worker_last_round timestamptz,
 												OUT worker_pid integer)
 RETURNS SETOF record
@@ -395,7 +396,8 @@ SELECT
 	c.released,
 	c.purged,
 	c.published,
-	c.publish_failures
+	c.publish_failures,
+	c.purge_yields
 FROM (VALUES (1)) AS one (x)
 LEFT JOIN idempotency.idem_stats_counters() AS c ON true;
 

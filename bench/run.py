@@ -78,8 +78,9 @@ shared_buffers = 256MB
 fsync = on
 synchronous_commit = on
 max_connections = 100
+max_wal_size = 4GB
 idempotency.naptime = '100ms'
-""")
+""" + os.environ.get("BENCH_EXTRA_CONF", "").replace(";", "\n") + "\n")
         self.run([f"{PGBIN}/pg_ctl", "-D", f"{self.dir}/data", "-l",
                   f"{self.dir}/server.log", "-w", "start"], quiet=True)
 
@@ -112,10 +113,78 @@ idempotency.naptime = '100ms'
         latency = float(re.search(r"latency average = ([\d.]+) ms", out)[1])
         return tps, latency
 
+    def pgbench_progress(self, script, clients=CLIENTS):
+        """pgbench in the background, reporting its tps every second until
+        stopped."""
+        return Progress(self.run_async([f"{PGBIN}/pgbench", "-n", "-M", "prepared",
+                                         "-c", str(clients), "-j", str(min(THREADS, clients)),
+                                         "-T", "3600", "-P", "1", "--progress-timestamp",
+                                         "-f", os.path.join(WORKLOADS, script), "-h", self.dir,
+                                         "-p", str(self.port), "-U", "postgres", "postgres"]))
+
+    def session(self):
+        """One psql session kept open, for polling: a psql started per poll
+        costs a connection's start-up, which a poll every 50 ms would take
+        from the clients being measured."""
+        return Session(self.run_async([f"{PGBIN}/psql", "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1",
+                                       "-h", self.dir, "-p", str(self.port), "-U", "postgres",
+                                       "-d", "postgres"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE))
+
+    def run_async(self, argv, **kwargs):
+        kwargs.setdefault("stdout", subprocess.DEVNULL)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+        return subprocess.Popen(AS_RUNNER + argv, text=True, **kwargs)
+
     def stop(self):
         subprocess.run(AS_RUNNER + [f"{PGBIN}/pg_ctl", "-D", f"{self.dir}/data",
                                     "-m", "fast", "stop"], capture_output=True)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Session:
+    """A psql reading queries from its stdin; each runs in a transaction of
+    its own."""
+
+    def __init__(self, process):
+        self.process = process
+
+    def query(self, sql):
+        self.process.stdin.write(sql.rstrip().rstrip(";") + ";\n\\echo ~~~\n")
+        self.process.stdin.flush()
+        lines = []
+        for line in self.process.stdout:
+            if line.rstrip("\n") == "~~~":
+                return "\n".join(lines)
+            lines.append(line.rstrip("\n"))
+        raise SystemExit(f"psql session ended: {self.process.stderr.read()}")
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
+class Progress:
+    """The per-second reports of a pgbench run in the background."""
+
+    def __init__(self, process):
+        self.process = process
+        self.reports = []
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
+
+    def read(self):
+        for line in self.process.stderr:
+            match = re.match(r"progress: ([\d.]+) s, ([\d.]+) tps", line)
+            if match:
+                self.reports.append((float(match[1]), float(match[2])))
+
+    def stop(self):
+        """Stops pgbench; returns (unix time, tps over the second before)."""
+        self.process.terminate()
+        self.process.wait()
+        self.reader.join()
+        return self.reports
 
 
 def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
@@ -132,10 +201,6 @@ def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
                      statistics.median(l for _, l in runs))
               for side, runs in results.items()}
     return median, median["ours"][0] / median["ref"][0]
-
-
-def counter(cluster, name):
-    return int(cluster.psql(f"SELECT {name} FROM idempotency.idem_stats_counters()"))
 
 
 def bench_publish(cluster):
@@ -180,34 +245,84 @@ def fill_expired(cluster, table):
         FROM generate_series(1, {PURGE_ROWS}) n""")
 
 
-def wait_pass_over(cluster, timeout=60):
-    """A purge is over when the worker's pass is: after the last rows, it
-    walks the rest of the table and vacuums a table it purged most of.
-    The stats view's worker_last_round is when the last pass ended."""
-    now = cluster.psql("SELECT clock_timestamp()")
+def purged(session):
+    return int(session.query("SELECT purged FROM idempotency.idem_stats_counters()"))
+
+
+def wait_pass_over(session, timeout=120):
+    """Wait for the end of a pass of the worker's that began after now: a
+    pass walks the rest of the table after the last rows, and vacuums a
+    table it purged most of.  worker_last_round is when the last pass
+    ended."""
+    now = session.query("SELECT clock_timestamp()")
     deadline = time.time() + timeout
-    while time.time() < deadline and cluster.psql(
-            f"SELECT worker_last_round > '{now}' FROM idempotency.stats") != "t":
+    while session.query("SELECT worker_last_round > '%s'"
+                         " FROM idempotency.idem_stats_counters()" % now) != "t":
+        if time.time() > deadline:
+            raise SystemExit(f"no pass of the worker's ended within {timeout} s")
         time.sleep(0.05)
 
 
-def purge_cycle(cluster, foreground_seconds=None):
-    """Fill a million expired keys, let the worker purge them; returns the
-    rate, and the foreground tps measured meanwhile if asked."""
-    # read the counter first: the worker may start purging as soon as the
-    # fill commits
-    before = counter(cluster, "purged")
+def set_purge_interval(cluster, interval):
+    cluster.psql(f"ALTER SYSTEM SET idempotency.purge_interval = '{interval}'")
+    cluster.psql("SELECT pg_reload_conf()")
+
+
+BASELINE_SECONDS = 5
+
+
+def purge_cycle(cluster, foreground=False):
+    """Fill a million expired keys, then let the worker purge them (it holds
+    off while they are written).  Returns the rate, the seconds the pass
+    took, and the table's size once it is over.  With foreground, 8 clients
+    claim and complete new keys all along, from BASELINE_SECONDS before the
+    purge to as long after its pass; the per-second tps reports are
+    returned too, as (seconds since the purge began, tps, window) with
+    window "quiet" or "purge" for the seconds measured."""
+    set_purge_interval(cluster, "1h")
     fill_expired(cluster, "idempotency.keys")
+    # as on a server where keys expire a day after they were written, every
+    # page the purge changes is its first change since a checkpoint (and so
+    # goes to the WAL whole); and no checkpoint the fill's WAL calls for
+    # runs during the measurement
+    cluster.psql("CHECKPOINT")
+    claims = None
+    if foreground:
+        claims = cluster.pgbench_progress("claim_complete.sql")
+        time.sleep(BASELINE_SECONDS + 1.5)
+    session = cluster.session()
+    before = purged(session)
     start = time.time()
-    foreground = None
-    if foreground_seconds:
-        foreground = cluster.pgbench("claim_complete.sql", foreground_seconds)[0]
-    while counter(cluster, "purged") - before < PURGE_ROWS:
+    set_purge_interval(cluster, "100ms")
+    while purged(session) - before < PURGE_ROWS:
         time.sleep(0.05)
-    elapsed = time.time() - start
-    wait_pass_over(cluster)
+    rate = PURGE_ROWS / (time.time() - start)
+    wait_pass_over(session)
+    end = time.time()
+    reports = None
+    if claims:
+        # quiet again (past the pass that may have begun meanwhile)
+        set_purge_interval(cluster, "1h")
+        time.sleep(BASELINE_SECONDS + 2.5)
+        reports = []
+        # each report covers the second before its timestamp
+        for at, tps in claims.stop():
+            if start - BASELINE_SECONDS <= at - 1 and at <= start or \
+                    end + 2 <= at - 1 and at <= end + 2 + BASELINE_SECONDS:
+                window = "quiet"
+            elif at > start and at - 1 < end:
+                window = "purge"
+            else:
+                window = None
+            reports.append((at - start, tps, window))
+        # the vacuum the pass left for a quiet moment: in a pass that
+        # begins once the claims have stopped
+        set_purge_interval(cluster, "100ms")
+        wait_pass_over(session)
+        wait_pass_over(session)
+    session.close()
     size = int(cluster.psql("SELECT pg_total_relation_size('idempotency.keys')"))
-    return PURGE_ROWS / elapsed, elapsed, size, foreground
+    return rate, end - start, size, reports
 
 
 def main():
@@ -269,28 +384,29 @@ def main():
         print(f"\n== purge: {PURGE_ROWS} expired keys, three fill/purge cycles")
         while int(cluster.psql("SELECT count(*) FROM idempotency.outbox WHERE topic = 'published'")):
             time.sleep(1)    # the publishing backlog, if any, goes first
-        # purge as soon as rows expire, so that the rate measures the purge
-        cluster.psql("ALTER SYSTEM SET idempotency.purge_interval = '100ms'")
-        cluster.psql("SELECT pg_reload_conf()")
-        time.sleep(1)
         cluster.psql("TRUNCATE idempotency.keys")
         fill_expired(cluster, "bench_purge")
         start = time.time()
         cluster.psql("CALL plain_batched_delete(5000)")
         plain_rate = PURGE_ROWS / (time.time() - start)
-        rate, elapsed, size1, _ = purge_cycle(cluster)
-        print(f"cycle 1: {rate:,.0f} rows/s ({elapsed:.1f} s); plain batched DELETE "
+        rate, took, size1, _ = purge_cycle(cluster)
+        print(f"cycle 1: {rate:,.0f} rows/s (pass over in {took:.1f} s); plain batched DELETE "
               f"{plain_rate:,.0f} rows/s; size {size1 / 2**20:.0f} MB", flush=True)
-        seconds = max(3, round(elapsed))
-        baseline = cluster.pgbench("claim_complete.sql", seconds)[0]
-        rate2, elapsed2, size2, during = purge_cycle(cluster, foreground_seconds=seconds)
-        print(f"cycle 2: {rate2:,.0f} rows/s; claim+complete {during:.0f} tps during the purge, "
-              f"{baseline:.0f} tps without; size {size2 / 2**20:.0f} MB", flush=True)
-        rate3, elapsed3, size3, _ = purge_cycle(cluster)
-        print(f"cycle 3: {rate3:,.0f} rows/s; size {size3 / 2**20:.0f} MB "
+        rate2, took2, size2, reports = purge_cycle(cluster, foreground=True)
+        quiet = statistics.median(tps for _, tps, window in reports if window == "quiet")
+        during = statistics.median(tps for _, tps, window in reports if window == "purge")
+        print(f"cycle 2, 8 clients claiming: {rate2:,.0f} rows/s (pass over in {took2:.1f} s); "
+              f"claim+complete {during:.0f} tps during the pass, {quiet:.0f} tps in the "
+              f"{BASELINE_SECONDS} s before and after (medians of per-second rates); "
+              f"size {size2 / 2**20:.0f} MB", flush=True)
+        print("   tps each second (q: quiet, p: purging): " +
+              " ".join(f"{at:+.0f}{(window or ' ')[0]}{tps:.0f}" for at, tps, window in reports),
+              flush=True)
+        rate3, took3, size3, _ = purge_cycle(cluster)
+        print(f"cycle 3: {rate3:,.0f} rows/s (pass over in {took3:.1f} s); size {size3 / 2**20:.0f} MB "
               f"({size3 / size1:.2f}x cycle 1)", flush=True)
         summary["purge_rows_per_s"] = round(statistics.median([rate, rate2, rate3]))
-        summary["foreground_during_purge"] = round(during / baseline, 3)
+        summary["foreground_during_purge"] = round(during / quiet, 3)
         summary["bloat_after_3_cycles"] = round(size3 / size1, 3)
     finally:
         cluster.stop()

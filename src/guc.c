@@ -33,6 +33,7 @@ int			idem_outbox_retention_s = 0;
 int			idem_naptime_ms = 1000;
 int			idem_purge_interval_ms = 10000;
 int			idem_purge_batch_size = 5000;
+int			idem_purge_busy_share = 10;
 int			idem_publish_batch_size = 100;
 char	   *idem_databases = NULL;
 int			idem_max_databases = 32;
@@ -301,6 +302,20 @@ idem_define_gucs(void)
 							"its own, so that no lock is held for long.",
 							&idem_purge_batch_size,
 							5000, 1, 1000000,
+							PGC_SIGHUP,
+							0,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.purge_busy_share",
+							"Percentage of the time the background worker may "
+							"spend purging while other sessions write.",
+							"A purge writes WAL that other sessions' commits must "
+							"wait behind.  While other sessions write, the worker "
+							"rests between purge batches so that purging takes at "
+							"most this share of the time, and leaves the vacuum "
+							"after a purge for a quiet moment; 100 never rests.",
+							&idem_purge_busy_share,
+							10, 1, 100,
 							PGC_SIGHUP,
 							0,
 							NULL, NULL, NULL);

@@ -33,6 +33,7 @@ extern int	idem_outbox_retention_s;
 extern int	idem_naptime_ms;
 extern int	idem_purge_interval_ms;
 extern int	idem_purge_batch_size;
+extern int	idem_purge_busy_share;
 extern int	idem_publish_batch_size;
 extern char *idem_databases;
 extern int	idem_max_databases;

@@ -30,6 +30,7 @@ typedef enum IdemCounter
 	IDEM_COUNTER_PURGED,		/* rows deleted by maintenance */
 	IDEM_COUNTER_PUBLISHED,		/* outbox rows published by maintenance */
 	IDEM_COUNTER_PUBLISH_FAILURES,	/* failed publish attempts */
+	IDEM_COUNTER_PURGE_YIELDS,	/* rests a purge took while others wrote */
 	IDEM_NUM_COUNTERS
 } IdemCounter;
 

@@ -50,6 +50,7 @@
 #include "access/tableam.h"
 #include "access/htup_details.h"
 #include "access/table.h"
+#include "access/transam.h"
 #include "access/xact.h"
 #include "catalog/pg_database.h"
 #include "commands/dbcommands.h"
@@ -58,6 +59,7 @@
 #include "nodes/makefuncs.h"
 #include "parser/parse_node.h"
 #include "miscadmin.h"
+#include "portability/instr_time.h"
 #include "pgstat.h"
 #include "postmaster/bgworker.h"
 #include "postmaster/interrupt.h"
@@ -436,6 +438,20 @@ extension_installed(void)
 }
 
 /*
+ * Transaction IDs the worker's own transactions took since the last look at
+ * whether other sessions write (see others_write).
+ */
+static uint64 own_xids = 0;
+
+/* Before the end of a transaction of the worker's own. */
+static void
+count_own_xid(void)
+{
+	if (TransactionIdIsValid(GetTopTransactionIdIfAny()))
+		own_xids++;
+}
+
+/*
  * In a PG_CATCH of the worker's own transaction: log the error, abort the
  * transaction, and go on.
  */
@@ -443,6 +459,7 @@ static void
 report_and_abort(void)
 {
 	HOLD_INTERRUPTS();
+	count_own_xid();
 	EmitErrorReport();
 	AbortCurrentTransaction();
 	FlushErrorState();
@@ -481,6 +498,7 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	{
 		more = maintenance_batch(unit, cursor, &counts);
 		PopActiveSnapshot();
+		count_own_xid();
 		CommitTransactionCommand();
 		compat_process_completed_notifies();
 	}
@@ -603,10 +621,73 @@ purged_most_of(const char *name, uint64 purged)
 }
 
 /*
+ * Yielding to other sessions.  A purge writes a great deal of WAL: a record
+ * per row, and an image of each page it is the first to change since the
+ * last checkpoint, which for rows that expired long after they were written
+ * is every page.  A commit of another session waits until the WAL before
+ * its own is written and flushed, so a purge run flat out beside a busy
+ * foreground costs its commits about a third of their rate while it lasts
+ * (a million rows: some 250 MB of WAL in two seconds, with the vacuum after
+ * it).  So while other sessions write, the purge runs at most
+ * idempotency.purge_busy_share of the time, resting between batches (and
+ * publishing while it rests), and the vacuum after it waits for a pass that
+ * finds the database quiet; on a server that is never quiet, autovacuum,
+ * which paces itself, vacuums instead.  On a quiet server the purge runs
+ * flat out.
+ *
+ * "Other sessions write" is read off transaction IDs: the next one has
+ * moved on by more than the worker's own transactions took since the last
+ * look.  Autovacuum takes none, so it does not count as writing.
+ */
+static FullTransactionId xid_at_last_look;
+
+static bool
+others_write(void)
+{
+	FullTransactionId next = ReadNextFullTransactionId();
+	bool		writing;
+
+	writing = FullTransactionIdIsValid(xid_at_last_look) &&
+		U64FromFullTransactionId(next) - U64FromFullTransactionId(xid_at_last_look) > own_xids;
+	xid_at_last_look = next;
+	own_xids = 0;
+	return writing;
+}
+
+/*
+ * Rest for as long as lets a purge batch that took "busy" keep to
+ * idempotency.purge_busy_share of the time, publishing what commits enqueue
+ * meanwhile.
+ */
+static void
+yield_after(instr_time busy, MaintenanceCursor *cursor)
+{
+	double		rest_ms = INSTR_TIME_GET_MILLISEC(busy) *
+		(100 - idem_purge_busy_share) / idem_purge_busy_share;
+	TimestampTz until = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), (int64) rest_ms);
+	long		left;
+
+	if (rest_ms < 1)
+		return;
+	idem_count(IDEM_COUNTER_PURGE_YIELDS, 1);
+	pgstat_report_activity(STATE_IDLE, "resting between purge batches: other sessions write");
+	while ((left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), until)) > 0)
+	{
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 left, PG_WAIT_EXTENSION);
+		CHECK_FOR_INTERRUPTS();
+		publish_if_woken(cursor);
+	}
+	pgstat_report_activity(STATE_IDLE, NULL);
+}
+
+/*
  * After a pass that deleted most of a table, vacuum it now rather than when
  * autovacuum next looks (up to autovacuum_naptime later, and only past its
  * own thresholds): until a vacuum, the deleted rows' space cannot be reused,
- * and the next rows to expire would grow the table instead.
+ * and the next rows to expire would grow the table instead.  While other
+ * sessions write, the vacuum is owed until a pass finds them quiet (see
+ * others_write).
  *
  * Twice: the index pages the first vacuum empties and deletes may be reused
  * only once every transaction that could still be reading them has ended,
@@ -617,15 +698,18 @@ purged_most_of(const char *name, uint64 purged)
  * meanwhile are published before each vacuum.
  */
 static void
-vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit)
+vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit, bool busy)
 {
 	static const char *const tables[NUM_MAINTENANCE_UNITS] = {
 		[UNIT_PURGE_KEYS] = "keys",
 		[UNIT_PURGE_EVENTS] = "processed_events",
 		[UNIT_PURGE_OUTBOX] = "outbox",
 	};
+	static bool owed[NUM_MAINTENANCE_UNITS];
 
-	if (!purged_most_of(tables[unit], cursor->purged_in_pass[unit]))
+	if (purged_most_of(tables[unit], cursor->purged_in_pass[unit]))
+		owed[unit] = true;
+	if (!owed[unit] || busy)
 		return;
 
 	publish_if_woken(cursor);
@@ -633,29 +717,49 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit)
 
 	StartTransactionCommand();
 	(void) GetTopTransactionId();
+	count_own_xid();
 	CommitTransactionCommand();
 
 	publish_if_woken(cursor);
 	vacuum_table(tables[unit]);
+	owed[unit] = false;
 }
 
 /*
  * Purge each table to the end.  Between purge batches, a commit that
  * enqueued events (our latch is set) gets its rows published first, so that
- * a long purge does not delay them.
+ * a long purge does not delay them; while other sessions write, the purge
+ * yields to them.
  */
 static void
 purge_all(MaintenanceCursor *cursor)
 {
 	for (int unit = UNIT_PURGE_KEYS; unit <= UNIT_PURGE_OUTBOX; unit++)
 	{
+		bool		more;
+		bool		busy;
+
 		cursor->purged_in_pass[unit] = 0;
-		while (run_batch((MaintenanceUnit) unit, cursor))
+		do
 		{
-			CHECK_FOR_INTERRUPTS();
-			publish_if_woken(cursor);
-		}
-		vacuum_after_purge(cursor, (MaintenanceUnit) unit);
+			instr_time	start;
+			instr_time	took;
+
+			INSTR_TIME_SET_CURRENT(start);
+			more = run_batch((MaintenanceUnit) unit, cursor);
+			INSTR_TIME_SET_CURRENT(took);
+			INSTR_TIME_SUBTRACT(took, start);
+
+			busy = others_write() && idem_purge_busy_share < 100;
+			if (more)
+			{
+				CHECK_FOR_INTERRUPTS();
+				if (busy)
+					yield_after(took, cursor);
+				publish_if_woken(cursor);
+			}
+		} while (more);
+		vacuum_after_purge(cursor, (MaintenanceUnit) unit, busy);
 	}
 }
 

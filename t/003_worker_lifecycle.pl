@@ -9,6 +9,7 @@ use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IPC::Run;
 use Time::HiRes qw(time);
 
 my $node = PostgreSQL::Test::Cluster->new('lifecycle');
@@ -150,6 +151,58 @@ $node->safe_psql('postgres', 'CREATE EXTENSION pg_freespacemap');
 ok($node->safe_psql('postgres', q{
 		SELECT count(*) > 0 FROM pg_freespace('idempotency.keys_pkey') WHERE avail > 0}) eq 't',
 	'the emptied index pages of the keys table are in its free space map');
+
+# --- while other sessions write, the purge rests between its batches, and
+# the vacuum after it waits for a pass that finds the database quiet
+$node->safe_psql('postgres', q{
+	ALTER TABLE idempotency.keys SET (autovacuum_enabled = off);
+	CREATE TABLE writes (n int);
+	CREATE TABLE stop_writing ();
+});
+my $vacuums_before = $node->safe_psql('postgres',
+	"SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'idempotency.keys'::regclass");
+my $yields_before = $node->safe_psql('postgres',
+	'SELECT purge_yields FROM idempotency.stats');
+my ($writer_out, $writer_err) = ('', '');
+my $writer = IPC::Run::start(
+	[
+		'psql', '-X', '-v', 'ON_ERROR_STOP=1', '-d', $node->connstr('postgres'), '-c', q{
+		DO $$
+		BEGIN
+			WHILE NOT EXISTS (SELECT FROM stop_writing) LOOP
+				INSERT INTO writes VALUES (1);
+				COMMIT;
+			END LOOP;
+		END $$}
+	],
+	'>', \$writer_out, '2>', \$writer_err);
+$node->poll_query_until('postgres', 'SELECT count(*) > 100 FROM writes')
+  or die "the writer did not start: $writer_err";
+
+$node->safe_psql('postgres', q{
+	INSERT INTO idempotency.keys (scope, key, attempt, ttl, created_at, expires_at, status_code)
+	SELECT 's', 'busy' || n, 1, '1 s', now() - interval '1 day', now() - interval '1 hour', 200
+	FROM generate_series(1, 5000) n;
+});
+ok($node->poll_query_until('postgres', 'SELECT count(*) = 1 FROM idempotency.keys'),
+	'with another session writing, the expired keys are purged all the same');
+my $purged_at = $node->safe_psql('postgres', 'SELECT clock_timestamp()');
+ok($node->poll_query_until('postgres',
+		"SELECT worker_last_round > '$purged_at' FROM idempotency.stats"),
+	'... and the worker finished a pass since');
+cmp_ok($node->safe_psql('postgres', 'SELECT purge_yields FROM idempotency.stats'),
+	'>', $yields_before, '... resting between batches while the other session wrote');
+is($node->safe_psql('postgres',
+		"SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'idempotency.keys'::regclass"),
+	$vacuums_before, '... and not vacuuming while it wrote');
+
+$node->safe_psql('postgres', 'INSERT INTO stop_writing DEFAULT VALUES');
+ok($writer->finish, 'the writer stopped') or diag($writer_err);
+ok($node->poll_query_until('postgres', qq{
+		SELECT vacuum_count >= $vacuums_before + 2 FROM pg_stat_user_tables
+		WHERE relid = 'idempotency.keys'::regclass}),
+	'once the database is quiet, the worker vacuums the table it purged');
+$node->safe_psql('postgres', 'ALTER TABLE idempotency.keys RESET (autovacuum_enabled)');
 
 $node->stop;
 done_testing();
