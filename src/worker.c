@@ -626,9 +626,9 @@ purged_most_of(const char *name, uint64 purged)
  * last checkpoint, which for rows that expired long after they were written
  * is every page.  A commit of another session waits until the WAL before
  * its own is written and flushed, so a purge run flat out beside a busy
- * foreground costs its commits about a third of their rate while it lasts
- * (a million rows: some 250 MB of WAL in two seconds, with the vacuum after
- * it).  So while other sessions write, the purge runs at most
+ * foreground costs its commits about a fifth of their rate while it lasts
+ * (a million rows: some 250 MB of WAL in a second or two, and 65 MB more
+ * for the vacuum after it).  So while other sessions write, the purge runs at most
  * idempotency.purge_busy_share of the time, resting between batches (and
  * publishing while it rests), and the vacuum after it waits for a pass that
  * finds the database quiet; on a server that is never quiet, autovacuum,
