@@ -72,6 +72,16 @@ typedef bool CompatUpdateIndexes;
 #endif
 
 /*
+ * The oldest transaction ID that some snapshot may still see as running:
+ * GetOldestXmin() up to 13, GetOldestNonRemovableTransactionId() from 14.
+ */
+#if PG_VERSION_NUM >= 140000
+#define compat_oldest_nonremovable_xid() GetOldestNonRemovableTransactionId(NULL)
+#else
+#define compat_oldest_nonremovable_xid() GetOldestXmin(NULL, PROCARRAY_FLAGS_VACUUM)
+#endif
+
+/*
  * LogLogicalMessage() gained a flush argument in 17.
  */
 #if PG_VERSION_NUM >= 170000

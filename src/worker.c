@@ -66,6 +66,7 @@
 #include "storage/ipc.h"
 #include "storage/latch.h"
 #include "storage/lwlock.h"
+#include "storage/procarray.h"
 #include "tcop/tcopprot.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
@@ -682,23 +683,44 @@ yield_after(instr_time busy, MaintenanceCursor *cursor)
 }
 
 /*
+ * Wait, for a second at most, until no snapshot older than xid remains,
+ * publishing what commits enqueue meanwhile.  A longer transaction is not
+ * waited for.
+ */
+static void
+wait_for_older_snapshots(TransactionId xid, MaintenanceCursor *cursor)
+{
+	for (int i = 0; i < 100; i++)
+	{
+		if (TransactionIdPrecedes(xid, compat_oldest_nonremovable_xid()))
+			return;
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 10, PG_WAIT_EXTENSION);
+		CHECK_FOR_INTERRUPTS();
+		publish_if_woken(cursor);
+	}
+}
+
+/*
  * After a pass that deleted most of a table, vacuum it now rather than when
  * autovacuum next looks (up to autovacuum_naptime later, and only past its
  * own thresholds): until a vacuum, the deleted rows' space cannot be reused,
- * and the next rows to expire would grow the table instead.  While other
- * sessions write, the vacuum is owed until a pass finds them quiet (see
- * others_write).
+ * and the next rows to expire would grow the table instead.  If other
+ * sessions wrote during the pass, the vacuum is owed until a pass finds
+ * them quiet (see others_write).
  *
  * Twice: the index pages the first vacuum empties and deletes may be reused
  * only once every transaction that could still be reading them has ended,
- * which a transaction ID taken after their deletion proves; the second
- * vacuum then finds them safe and hands them to the free space map, where
+ * which a transaction ID taken after their deletion proves once every
+ * snapshot older than it is gone (a moment's wait for the queries running
+ * meanwhile); the second vacuum then finds them safe and hands them to the
+ * free space map, where
  * the next rows' index entries find them.  Otherwise the indexes would keep
  * a second copy of their size until some later vacuum.  Rows enqueued
  * meanwhile are published before each vacuum.
  */
 static void
-vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit, bool busy)
+vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit, bool busy_in_pass)
 {
 	static const char *const tables[NUM_MAINTENANCE_UNITS] = {
 		[UNIT_PURGE_KEYS] = "keys",
@@ -706,19 +728,21 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit, bool busy)
 		[UNIT_PURGE_OUTBOX] = "outbox",
 	};
 	static bool owed[NUM_MAINTENANCE_UNITS];
+	TransactionId burned;
 
 	if (purged_most_of(tables[unit], cursor->purged_in_pass[unit]))
 		owed[unit] = true;
-	if (!owed[unit] || busy)
+	if (!owed[unit] || busy_in_pass)
 		return;
 
 	publish_if_woken(cursor);
 	vacuum_table(tables[unit]);
 
 	StartTransactionCommand();
-	(void) GetTopTransactionId();
+	burned = GetTopTransactionId();
 	count_own_xid();
 	CommitTransactionCommand();
+	wait_for_older_snapshots(burned, cursor);
 
 	publish_if_woken(cursor);
 	vacuum_table(tables[unit]);
@@ -737,13 +761,14 @@ purge_all(MaintenanceCursor *cursor)
 	for (int unit = UNIT_PURGE_KEYS; unit <= UNIT_PURGE_OUTBOX; unit++)
 	{
 		bool		more;
-		bool		busy;
+		bool		busy_in_pass = false;
 
 		cursor->purged_in_pass[unit] = 0;
 		do
 		{
 			instr_time	start;
 			instr_time	took;
+			bool		busy;
 
 			INSTR_TIME_SET_CURRENT(start);
 			more = run_batch((MaintenanceUnit) unit, cursor);
@@ -751,6 +776,7 @@ purge_all(MaintenanceCursor *cursor)
 			INSTR_TIME_SUBTRACT(took, start);
 
 			busy = others_write() && idem_purge_busy_share < 100;
+			busy_in_pass |= busy;
 			if (more)
 			{
 				CHECK_FOR_INTERRUPTS();
@@ -759,7 +785,7 @@ purge_all(MaintenanceCursor *cursor)
 				publish_if_woken(cursor);
 			}
 		} while (more);
-		vacuum_after_purge(cursor, (MaintenanceUnit) unit, busy);
+		vacuum_after_purge(cursor, (MaintenanceUnit) unit, busy_in_pass);
 	}
 }
 
