@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """make bench: the extension side by side with plain SQL, in one run.
 
-Starts a throwaway cluster (shared_buffers 256MB, fsync and synchronous_commit
-on: a normal durable server) with the library preloaded, runs every workload
+Starts a throwaway cluster (shared_buffers 256MB, max_wal_size 4GB, fsync and
+synchronous_commit on: a normal durable server) with the library preloaded,
+runs every workload
 with pgbench -M prepared, 8 clients, BENCH_SECONDS (15) seconds, three rounds,
 ours and the reference alternating within each round so that machine drift
 cancels out, and prints a table (tps, latency, ratio; the median of the
 rounds).  Then the background worker: publishing while 8 clients enqueue,
-and purging a million expired keys.  The last line printed is one JSON
+and purging a million expired keys, three times, the second time while 8
+clients claim (their per-second tps while the purge runs, against the quiet
+seconds before and after it).  The last line printed is one JSON
 object with the headline ratios (ours / reference: higher is better).
 
 Environment: BENCH_SECONDS, BENCH_ROUNDS, BENCH_PUBLISH_SECONDS, BENCH_PURGE_ROWS,
 BENCH_PARTS (a subset of pairs,shapes,publish,purge), BENCH_PAIRS (names of
-the pairs to run, comma-separated; all by default),
-PG_CONFIG.
+the pairs to run, comma-separated; all by default), BENCH_EXTRA_CONF
+(postgresql.conf lines for the cluster, separated by ';'), PG_CONFIG.
 """
 
 import json
