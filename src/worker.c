@@ -658,18 +658,22 @@ others_write(void)
 /*
  * Rest for as long as lets a purge batch that took "busy" keep to
  * idempotency.purge_busy_share of the time, publishing what commits enqueue
- * meanwhile.
+ * meanwhile.  Rests shorter than a millisecond add up until they are not.
  */
 static void
 yield_after(instr_time busy, MaintenanceCursor *cursor)
 {
-	double		rest_ms = INSTR_TIME_GET_MILLISEC(busy) *
-		(100 - idem_purge_busy_share) / idem_purge_busy_share;
-	TimestampTz until = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), (int64) rest_ms);
+	static double owed_ms = 0;
+	TimestampTz until;
 	long		left;
 
-	if (rest_ms < 1)
+	owed_ms += INSTR_TIME_GET_MILLISEC(busy) *
+		(100 - idem_purge_busy_share) / idem_purge_busy_share;
+	if (owed_ms < 1)
 		return;
+	until = GetCurrentTimestamp() + (TimestampTz) (owed_ms * 1000);
+	owed_ms = 0;
+
 	idem_count(IDEM_COUNTER_PURGE_YIELDS, 1);
 	pgstat_report_activity(STATE_IDLE, "resting between purge batches: other sessions write");
 	while ((left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), until)) > 0)
