@@ -636,21 +636,36 @@ purged_most_of(const char *name, uint64 purged)
  * which paces itself, vacuums instead.  On a quiet server the purge runs
  * flat out.
  *
- * "Other sessions write" is read off transaction IDs: the next one has
- * moved on by more than the worker's own transactions took since the last
- * look.  Autovacuum takes none, so it does not count as writing.
+ * "Other sessions write" is read off transaction IDs: since the last look,
+ * the next one moved on by more than the worker's own transactions took,
+ * at a rate of more than OTHERS_WRITING_PER_S.  Autovacuum takes none, so
+ * it does not count as writing; nor does an occasional transaction.  The
+ * looks cover the pass only: a pass begins with one whose answer is not
+ * used.
  */
+#define OTHERS_WRITING_PER_S	10
+
 static FullTransactionId xid_at_last_look;
+static TimestampTz time_of_last_look;
 
 static bool
 others_write(void)
 {
 	FullTransactionId next = ReadNextFullTransactionId();
-	bool		writing;
+	TimestampTz now = GetCurrentTimestamp();
+	bool		writing = false;
 
-	writing = FullTransactionIdIsValid(xid_at_last_look) &&
-		U64FromFullTransactionId(next) - U64FromFullTransactionId(xid_at_last_look) > own_xids;
+	if (FullTransactionIdIsValid(xid_at_last_look))
+	{
+		uint64		taken = U64FromFullTransactionId(next) -
+			U64FromFullTransactionId(xid_at_last_look);
+		double		others = (double) taken - (double) own_xids;
+		double		seconds = (double) (now - time_of_last_look) / USECS_PER_SEC;
+
+		writing = others > 0 && others > OTHERS_WRITING_PER_S * seconds;
+	}
 	xid_at_last_look = next;
+	time_of_last_look = now;
 	own_xids = 0;
 	return writing;
 }
@@ -762,6 +777,9 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit, bool busy_in
 static void
 purge_all(MaintenanceCursor *cursor)
 {
+	/* what others wrote before the pass began does not count */
+	(void) others_write();
+
 	for (int unit = UNIT_PURGE_KEYS; unit <= UNIT_PURGE_OUTBOX; unit++)
 	{
 		bool		more;
