@@ -49,7 +49,12 @@ typedef struct IdemDatabaseSlot
 	TimestampTz paused_until;	/* no worker before this (DROP DATABASE) */
 	TimestampTz last_round;		/* when the worker last finished a round */
 	pg_atomic_uint32 routes_version;	/* bumped by each commit that routes */
-	pg_atomic_uint64 counters[IDEM_NUM_COUNTERS];
+
+	/*
+	 * Written by nearly every call, so on cache lines of their own: the
+	 * fields above are read by every call.
+	 */
+	pg_atomic_uint64 counters[IDEM_NUM_COUNTERS] pg_attribute_aligned(PG_CACHE_LINE_SIZE);
 } IdemDatabaseSlot;
 
 extern void idem_shmem_register(void);
