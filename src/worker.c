@@ -671,6 +671,19 @@ others_write(void)
 }
 
 /*
+ * Sleep up to ms milliseconds; a commit that enqueued rows ends the sleep
+ * early, and they are published.
+ */
+static void
+nap_publishing(long ms, MaintenanceCursor *cursor)
+{
+	(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+					 ms, PG_WAIT_EXTENSION);
+	CHECK_FOR_INTERRUPTS();
+	publish_if_woken(cursor);
+}
+
+/*
  * Rest for as long as lets a purge batch that took "busy" keep to
  * idempotency.purge_busy_share of the time, publishing what commits enqueue
  * meanwhile.  Rests shorter than a millisecond add up until they are not.
@@ -692,12 +705,7 @@ yield_after(instr_time busy, MaintenanceCursor *cursor)
 	idem_count(IDEM_COUNTER_PURGE_YIELDS, 1);
 	pgstat_report_activity(STATE_IDLE, "resting between purge batches: other sessions write");
 	while ((left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), until)) > 0)
-	{
-		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-						 left, PG_WAIT_EXTENSION);
-		CHECK_FOR_INTERRUPTS();
-		publish_if_woken(cursor);
-	}
+		nap_publishing(left, cursor);
 	pgstat_report_activity(STATE_IDLE, NULL);
 }
 
@@ -713,10 +721,7 @@ wait_for_older_snapshots(TransactionId xid, MaintenanceCursor *cursor)
 	{
 		if (TransactionIdPrecedes(xid, compat_oldest_nonremovable_xid()))
 			return;
-		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-						 10, PG_WAIT_EXTENSION);
-		CHECK_FOR_INTERRUPTS();
-		publish_if_woken(cursor);
+		nap_publishing(10, cursor);
 	}
 }
 
