@@ -683,6 +683,16 @@ nap_publishing(long ms, MaintenanceCursor *cursor)
 	publish_if_woken(cursor);
 }
 
+/* Nap until then, publishing meanwhile. */
+static void
+nap_until(TimestampTz until, MaintenanceCursor *cursor)
+{
+	long		left;
+
+	while ((left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), until)) > 0)
+		nap_publishing(left, cursor);
+}
+
 /*
  * Rest for as long as lets a purge batch that took "busy" keep to
  * idempotency.purge_busy_share of the time, publishing what commits enqueue
@@ -693,7 +703,6 @@ yield_after(instr_time busy, MaintenanceCursor *cursor)
 {
 	static double owed_ms = 0;
 	TimestampTz until;
-	long		left;
 
 	owed_ms += INSTR_TIME_GET_MILLISEC(busy) *
 		(100 - idem_purge_busy_share) / idem_purge_busy_share;
@@ -704,9 +713,20 @@ yield_after(instr_time busy, MaintenanceCursor *cursor)
 
 	idem_count(IDEM_COUNTER_PURGE_YIELDS, 1);
 	pgstat_report_activity(STATE_IDLE, "resting between purge batches: other sessions write");
-	while ((left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), until)) > 0)
-		nap_publishing(left, cursor);
+	nap_until(until, cursor);
 	pgstat_report_activity(STATE_IDLE, NULL);
+}
+
+/*
+ * Do other sessions write?  Looked at over the next ms milliseconds, for a
+ * pass too short to tell.
+ */
+static bool
+others_write_over(long ms, MaintenanceCursor *cursor)
+{
+	(void) others_write();
+	nap_until(TimestampTzPlusMilliseconds(GetCurrentTimestamp(), ms), cursor);
+	return others_write();
 }
 
 /*
@@ -730,7 +750,8 @@ wait_for_older_snapshots(TransactionId xid, MaintenanceCursor *cursor)
  * autovacuum next looks (up to autovacuum_naptime later, and only past its
  * own thresholds): until a vacuum, the deleted rows' space cannot be reused,
  * and the next rows to expire would grow the table instead.  If other
- * sessions wrote during the pass, the vacuum is owed until a pass finds
+ * sessions wrote during the pass, or do in the tenth of a second after it
+ * (a pass can be too short to tell), the vacuum is owed until a pass finds
  * them quiet (see others_write).
  *
  * Twice: the index pages the first vacuum empties and deletes may be reused
@@ -756,7 +777,7 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit, bool busy_in
 
 	if (purged_most_of(tables[unit], cursor->purged_in_pass[unit]))
 		owed[unit] = true;
-	if (!owed[unit] || busy_in_pass)
+	if (!owed[unit] || busy_in_pass || others_write_over(100, cursor))
 		return;
 
 	publish_if_woken(cursor);
