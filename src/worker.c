@@ -629,12 +629,12 @@ purged_most_of(const char *name, uint64 purged)
  * its own is written and flushed, so a purge run flat out beside a busy
  * foreground costs its commits about a fifth of their rate while it lasts
  * (a million rows: some 250 MB of WAL in a second or two, and 65 MB more
- * for the vacuum after it).  So while other sessions write, the purge runs at most
- * idempotency.purge_busy_share of the time, resting between batches (and
- * publishing while it rests), and the vacuum after it waits for a pass that
- * finds the database quiet; on a server that is never quiet, autovacuum,
- * which paces itself, vacuums instead.  On a quiet server the purge runs
- * flat out.
+ * for the vacuum after it).  So while other sessions write, the purge runs
+ * at most idempotency.purge_busy_share of the time, resting between batches
+ * (and publishing while it rests), and the vacuum after it waits for a pass
+ * that finds the database quiet; on a server that is never quiet,
+ * autovacuum, which paces itself, vacuums instead.  On a quiet server, or
+ * with a share of 100, the purge runs flat out.
  *
  * "Other sessions write" is read off transaction IDs: since the last look,
  * the next one moved on by more than the worker's own transactions took,
@@ -759,13 +759,14 @@ wait_for_older_snapshots(TransactionId xid, MaintenanceCursor *cursor)
  * which a transaction ID taken after their deletion proves once every
  * snapshot older than it is gone (a moment's wait for the queries running
  * meanwhile); the second vacuum then finds them safe and hands them to the
- * free space map, where
- * the next rows' index entries find them.  Otherwise the indexes would keep
- * a second copy of their size until some later vacuum.  Rows enqueued
+ * free space map, where the next rows' index entries find them.  Otherwise
+ * the indexes would keep a second copy of their size until some later
+ * vacuum.  Rows enqueued
  * meanwhile are published before each vacuum.
  */
 static void
-vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit, bool busy_in_pass)
+vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit,
+				   bool busy_in_pass)
 {
 	static const char *const tables[NUM_MAINTENANCE_UNITS] = {
 		[UNIT_PURGE_KEYS] = "keys",
@@ -777,7 +778,8 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit, bool busy_in
 
 	if (purged_most_of(tables[unit], cursor->purged_in_pass[unit]))
 		owed[unit] = true;
-	if (!owed[unit] || busy_in_pass || others_write_over(100, cursor))
+	if (!owed[unit] || busy_in_pass ||
+		(idem_purge_busy_share < 100 && others_write_over(100, cursor)))
 		return;
 
 	publish_if_woken(cursor);
