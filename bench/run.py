@@ -3,11 +3,11 @@
 
 Starts a throwaway cluster (shared_buffers 256MB, max_wal_size 4GB, fsync and
 synchronous_commit on: a normal durable server) with the library preloaded,
-runs every workload
-with pgbench -M prepared, 8 clients, BENCH_SECONDS (15) seconds, three rounds,
-ours and the reference alternating within each round so that machine drift
-cancels out, and prints a table (tps, latency, ratio; the median of the
-rounds).  Then the background worker: publishing while 8 clients enqueue,
+runs every workload with pgbench -M prepared, 8 clients, BENCH_SECONDS (15)
+seconds, three rounds, ours and the reference alternating within each round
+so that machine drift cancels out, each run after a VACUUM of the tables
+(autovacuum leaves them alone meanwhile) and a CHECKPOINT, and prints a table
+(tps, latency, ratio; the median of the rounds).  Then the background worker: publishing while 8 clients enqueue,
 and purging a million expired keys, three times, the second time while 8
 clients claim (their per-second tps while the purge runs, against the quiet
 seconds before and after it).  The last line printed is one JSON
@@ -190,14 +190,32 @@ class Progress:
         return self.reports
 
 
+# The tables the pairs write, ours and the references'.  While the pairs run,
+# autovacuum leaves them alone and compare() vacuums them all before every
+# run instead, as pgbench does its own tables: otherwise a vacuum that one
+# side's rows called for (and the page images it writes after the
+# checkpoint) lands in whichever run happens to be going, as often the
+# other side's as its own.
+PAIR_TABLES = ["idempotency.keys", "idempotency.processed_events", "idempotency.outbox",
+               "bench_floor", "bench_replay", "peer_keys", "bench_events", "bench_outbox"]
+
+
+def pair_tables_autovacuum(cluster, on):
+    cluster.psql("; ".join(f"ALTER TABLE {table} RESET (autovacuum_enabled)" if on else
+                           f"ALTER TABLE {table} SET (autovacuum_enabled = off)"
+                           for table in PAIR_TABLES))
+
+
 def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
-    """Rounds of ours and the reference, alternating which goes first."""
+    """Rounds of ours and the reference, alternating which goes first; each
+    run starts from vacuumed tables and a checkpoint."""
     results = {"ours": [], "ref": []}
     for round_no in range(rounds):
         order = [("ours", ours), ("ref", reference)]
         if round_no % 2:
             order.reverse()
         for side, script in order:
+            cluster.psql(f"VACUUM (ANALYZE) {', '.join(PAIR_TABLES)}")
             cluster.psql("CHECKPOINT")
             results[side].append(cluster.pgbench(script, seconds, **kwargs))
     median = {side: (statistics.median(t for t, _ in runs),
@@ -344,6 +362,7 @@ def main():
         if os.environ.get("BENCH_PAIRS"):
             wanted = os.environ["BENCH_PAIRS"].split(",")
             PAIRS[:] = [pair for pair in PAIRS if pair[0] in wanted]
+        pair_tables_autovacuum(cluster, False)
         header = f"{'workload':28} {'ours tps':>10} {'lat ms':>7} {'ref tps':>10} {'lat ms':>7} {'ratio':>6} {'bar':>5}"
         print(header)
         print("-" * len(header))
@@ -368,6 +387,7 @@ def main():
             print(f"{label:36} ours {median['ours'][0]:8.0f} tps  floor {median['ref'][0]:8.0f} tps"
                   f"  ratio {ratio:.2f}", flush=True)
 
+        pair_tables_autovacuum(cluster, True)
         if "publish" not in PARTS:
             print(json.dumps(summary))
             return
