@@ -42,6 +42,7 @@
 #include "utils/builtins.h"
 #include "utils/jsonb.h"
 #include "utils/timestamp.h"
+#include "utils/typcache.h"
 
 #include "guc.h"
 #include "shmem.h"
@@ -112,24 +113,23 @@ text_for_message(text *t)
 }
 
 /*
- * The result type's descriptor, built once per call site and kept in
- * fn_extra.
+ * The result type's descriptor, from the type cache (release it with
+ * ReleaseTupleDesc).  A call site's fn_extra would not do: a statement's
+ * function call is set up anew each time the statement runs, prepared or
+ * not, and get_call_result_type costs a catalog lookup.
  */
 static TupleDesc
 claim_result_desc(FunctionCallInfo fcinfo)
 {
-	if (fcinfo->flinfo->fn_extra == NULL)
-	{
-		TupleDesc	desc;
-		MemoryContext oldcxt;
+	Oid			typid = get_fn_expr_rettype(fcinfo->flinfo);
+	TupleDesc	desc;
 
-		if (get_call_result_type(fcinfo, NULL, &desc) != TYPEFUNC_COMPOSITE)
+	if (!OidIsValid(typid))
+	{
+		if (get_call_result_type(fcinfo, &typid, &desc) != TYPEFUNC_COMPOSITE)
 			elog(ERROR, "idem_claim must return idempotency.claim_result");
-		oldcxt = MemoryContextSwitchTo(fcinfo->flinfo->fn_mcxt);
-		fcinfo->flinfo->fn_extra = BlessTupleDesc(CreateTupleDescCopy(desc));
-		MemoryContextSwitchTo(oldcxt);
 	}
-	return (TupleDesc) fcinfo->flinfo->fn_extra;
+	return lookup_rowtype_tupdesc(typid, -1);
 }
 
 /* Bump the cumulative counter of an outcome (see idempotency.stats). */
@@ -162,6 +162,7 @@ claim_result(FunctionCallInfo fcinfo, const char *outcome, const KeyRow *row)
 	TupleDesc	desc = claim_result_desc(fcinfo);
 	Datum		values[RESULT_NATTS] = {0};
 	bool		nulls[RESULT_NATTS];
+	HeapTuple	tuple;
 
 	memset(nulls, true, sizeof(nulls));
 	count_outcome(outcome);
@@ -191,7 +192,9 @@ claim_result(FunctionCallInfo fcinfo, const char *outcome, const KeyRow *row)
 	}
 
 	/* HeapTupleGetDatum inlines any TOASTed body, as a composite must */
-	return HeapTupleGetDatum(heap_form_tuple(desc, values, nulls));
+	tuple = heap_form_tuple(desc, values, nulls);
+	ReleaseTupleDesc(desc);
+	return HeapTupleGetDatum(tuple);
 }
 
 /*
