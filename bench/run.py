@@ -221,6 +221,8 @@ def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
     median = {side: (statistics.median(t for t, _ in runs),
                      statistics.median(l for _, l in runs))
               for side, runs in results.items()}
+    median["rounds"] = " ".join(f"{ours_tps / ref_tps:.2f}" for (ours_tps, _), (ref_tps, _)
+                                in zip(results["ours"], results["ref"]))
     return median, median["ours"][0] / median["ref"][0]
 
 
@@ -376,6 +378,7 @@ def main():
             print(f"{name:28} {median['ours'][0]:10.0f} {median['ours'][1]:7.2f} "
                   f"{median['ref'][0]:10.0f} {median['ref'][1]:7.2f} {ratio:6.2f} "
                   f"{'ok' if ratio >= bar else 'MISS':>5}", flush=True)
+            print(f"   ratio in each round: {median['rounds']}", flush=True)
 
         print("\n== claim + complete vs floor, other shapes (one round, 10 s, no bar)")
         for label, kwargs in [] if "shapes" not in PARTS else [("1 client", {"clients": 1}), ("32 clients", {"clients": 32}),
