@@ -132,24 +132,41 @@ claim_result_desc(FunctionCallInfo fcinfo)
 	return lookup_rowtype_tupdesc(typid, -1);
 }
 
-/* Bump the cumulative counter of an outcome (see idempotency.stats). */
-static void
-count_outcome(const char *outcome)
+/* idem_claim's answers, each with the counter it bumps (see idempotency.stats). */
+typedef enum ClaimOutcome
 {
-	static const struct
-	{
-		const char *outcome;
-		IdemCounter counter;
-	}			counters[] = {
-		{"claimed", IDEM_COUNTER_CLAIMS},
-		{"replay", IDEM_COUNTER_REPLAYS},
-		{"in_progress", IDEM_COUNTER_CONFLICTS},
-		{"mismatch", IDEM_COUNTER_MISMATCHES},
-	};
+	OUTCOME_CLAIMED,
+	OUTCOME_REPLAY,
+	OUTCOME_IN_PROGRESS,
+	OUTCOME_MISMATCH,
+	NUM_OUTCOMES
+} ClaimOutcome;
 
-	for (size_t i = 0; i < lengthof(counters); i++)
-		if (strcmp(outcome, counters[i].outcome) == 0)
-			idem_count(counters[i].counter, 1);
+static const struct
+{
+	const char *name;
+	IdemCounter counter;
+}			outcomes[NUM_OUTCOMES] = {
+	[OUTCOME_CLAIMED] = {"claimed", IDEM_COUNTER_CLAIMS},
+	[OUTCOME_REPLAY] = {"replay", IDEM_COUNTER_REPLAYS},
+	[OUTCOME_IN_PROGRESS] = {"in_progress", IDEM_COUNTER_CONFLICTS},
+	[OUTCOME_MISMATCH] = {"mismatch", IDEM_COUNTER_MISMATCHES},
+};
+
+/* The outcome as text, made once per backend. */
+static Datum
+outcome_datum(ClaimOutcome outcome)
+{
+	static text *texts[NUM_OUTCOMES];
+
+	if (texts[outcome] == NULL)
+	{
+		MemoryContext oldcxt = MemoryContextSwitchTo(TopMemoryContext);
+
+		texts[outcome] = cstring_to_text(outcomes[outcome].name);
+		MemoryContextSwitchTo(oldcxt);
+	}
+	return PointerGetDatum(texts[outcome]);
 }
 
 /*
@@ -157,7 +174,7 @@ count_outcome(const char *outcome)
  * of a new key, what the stored row says.
  */
 static Datum
-claim_result(FunctionCallInfo fcinfo, const char *outcome, const KeyRow *row)
+claim_result(FunctionCallInfo fcinfo, ClaimOutcome outcome, const KeyRow *row)
 {
 	TupleDesc	desc = claim_result_desc(fcinfo);
 	Datum		values[RESULT_NATTS] = {0};
@@ -165,8 +182,8 @@ claim_result(FunctionCallInfo fcinfo, const char *outcome, const KeyRow *row)
 	HeapTuple	tuple;
 
 	memset(nulls, true, sizeof(nulls));
-	count_outcome(outcome);
-	values[RESULT_OUTCOME] = CStringGetTextDatum(outcome);
+	idem_count(outcomes[outcome].counter, 1);
+	values[RESULT_OUTCOME] = outcome_datum(outcome);
 	nulls[RESULT_OUTCOME] = false;
 
 	if (row != NULL)
@@ -326,7 +343,7 @@ idem_claim(PG_FUNCTION_ARGS)
 			start_claim(&row, false, fingerprint, ttl, lease, now);
 			if (idem_insert_unique(&rel, row.values, row.nulls))
 			{
-				result = claim_result(fcinfo, "claimed", &row);
+				result = claim_result(fcinfo, OUTCOME_CLAIMED, &row);
 				break;
 			}
 			continue;			/* lost a race: look again */
@@ -345,7 +362,7 @@ idem_claim(PG_FUNCTION_ARGS)
 				SpeculativeInsertionWait(found.inserting_xid, found.speculative_token);
 				continue;
 			}
-			result = claim_result(fcinfo, "in_progress", NULL);
+			result = claim_result(fcinfo, OUTCOME_IN_PROGRESS, NULL);
 			break;
 		}
 
@@ -354,17 +371,17 @@ idem_claim(PG_FUNCTION_ARGS)
 								fingerprint, now);
 		if (decision == CLAIM_MISMATCH)
 		{
-			result = claim_result(fcinfo, "mismatch", NULL);
+			result = claim_result(fcinfo, OUTCOME_MISMATCH, NULL);
 			break;
 		}
 		if (decision == CLAIM_REPLAY)
 		{
-			result = claim_result(fcinfo, "replay", &row);
+			result = claim_result(fcinfo, OUTCOME_REPLAY, &row);
 			break;
 		}
 		if (decision == CLAIM_IN_PROGRESS)
 		{
-			result = claim_result(fcinfo, "in_progress", &row);
+			result = claim_result(fcinfo, OUTCOME_IN_PROGRESS, &row);
 			break;
 		}
 
@@ -375,13 +392,13 @@ idem_claim(PG_FUNCTION_ARGS)
 		{
 			if (decision == CLAIM_TAKE_OVER)
 				idem_count(IDEM_COUNTER_TAKEOVERS, 1);
-			result = claim_result(fcinfo, "claimed", &row);
+			result = claim_result(fcinfo, OUTCOME_CLAIMED, &row);
 			break;
 		}
 		if (tm == TM_BeingModified || tm == TM_WouldBlock)
 		{
 			/* someone else is taking it over, or holds a lock on it */
-			result = claim_result(fcinfo, "in_progress", NULL);
+			result = claim_result(fcinfo, OUTCOME_IN_PROGRESS, NULL);
 			break;
 		}
 		if (tm != TM_Updated && tm != TM_Deleted)
