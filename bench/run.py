@@ -7,10 +7,11 @@ runs every workload with pgbench -M prepared, 8 clients, BENCH_SECONDS (15)
 seconds, three rounds, ours and the reference alternating within each round
 so that machine drift cancels out, each run after a VACUUM of the tables
 (autovacuum leaves them alone meanwhile) and a CHECKPOINT, and prints a table
-(tps, latency, ratio; the median of the rounds).  Then the background worker: publishing while 8 clients enqueue,
-and purging a million expired keys, three times, the second time while 8
-clients claim (their per-second tps while the purge runs, against the quiet
-seconds before and after it).  The last line printed is one JSON
+(tps, latency, ratio; the median of the rounds) with each round's ratio.
+Then the background worker: publishing while 8 clients enqueue, and purging
+a million expired keys, three times, the second time while 8 clients claim
+(their per-second tps while the purge runs, against the quiet seconds before
+and after it).  The last line printed is one JSON
 object with the headline ratios (ours / reference: higher is better).
 
 Environment: BENCH_SECONDS, BENCH_ROUNDS, BENCH_PUBLISH_SECONDS, BENCH_PURGE_ROWS,
