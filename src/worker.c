@@ -761,8 +761,7 @@ wait_for_older_snapshots(TransactionId xid, MaintenanceCursor *cursor)
  * meanwhile); the second vacuum then finds them safe and hands them to the
  * free space map, where the next rows' index entries find them.  Otherwise
  * the indexes would keep a second copy of their size until some later
- * vacuum.  Rows enqueued
- * meanwhile are published before each vacuum.
+ * vacuum.  Rows enqueued meanwhile are published before each vacuum.
  */
 static void
 vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit,
