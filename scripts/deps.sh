@@ -14,7 +14,10 @@ command -v gcc >/dev/null || missing+=(gcc)
 command -v make >/dev/null || missing+=(make)
 [ -x "$pgbin/postgres" ] || missing+=("postgresql-$PG_MAJOR")
 [ -x "$pgbin/psql" ] && [ -x "$pgbin/pgbench" ] || missing+=("postgresql-client-$PG_MAJOR")
-[ -f "/usr/lib/postgresql/$PG_MAJOR/lib/pgxs/src/makefiles/pgxs.mk" ] ||
+# pgxs.mk alone is not enough: Debian's client package ships it too, and
+# only the server-dev package brings the headers
+[ -f "/usr/lib/postgresql/$PG_MAJOR/lib/pgxs/src/makefiles/pgxs.mk" ] &&
+	[ -f "/usr/include/postgresql/$PG_MAJOR/server/postgres.h" ] ||
 	missing+=("postgresql-server-dev-$PG_MAJOR")
 command -v prove >/dev/null || missing+=(perl)
 perl -MIPC::Run -e 1 2>/dev/null || missing+=(libipc-run-perl)
