@@ -8,6 +8,8 @@ seconds, three rounds, ours and the reference alternating within each round
 so that machine drift cancels out, each run after a VACUUM of the tables
 (autovacuum leaves them alone meanwhile) and a CHECKPOINT, and prints a table
 (tps, latency, ratio; the median of the rounds) with each round's ratio.
+The ratio is the median of the rounds' ratios, each of a round's two runs
+against the other.
 Then the background worker: publishing while 8 clients enqueue, and purging
 a million expired keys, three times, the second time while 8 clients claim
 (their per-second tps while the purge runs, against the quiet seconds before
@@ -209,7 +211,12 @@ def pair_tables_autovacuum(cluster, on):
 
 def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
     """Rounds of ours and the reference, alternating which goes first; each
-    run starts from vacuumed tables and a checkpoint."""
+    run starts from vacuumed tables and a checkpoint.  Returns the median
+    tps and latency of each side, each round's ratio, and the ratio: the
+    median of the rounds' ratios.  The two runs of a round follow each
+    other, so a drift of the machine's speed cancels out of their ratio;
+    the median tps of either side may come from different rounds, and their
+    ratio would carry the drift between them."""
     results = {"ours": [], "ref": []}
     for round_no in range(rounds):
         order = [("ours", ours), ("ref", reference)]
@@ -222,9 +229,10 @@ def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
     median = {side: (statistics.median(t for t, _ in runs),
                      statistics.median(l for _, l in runs))
               for side, runs in results.items()}
-    median["rounds"] = " ".join(f"{ours_tps / ref_tps:.2f}" for (ours_tps, _), (ref_tps, _)
-                                in zip(results["ours"], results["ref"]))
-    return median, median["ours"][0] / median["ref"][0]
+    ratios = [ours_tps / ref_tps for (ours_tps, _), (ref_tps, _)
+              in zip(results["ours"], results["ref"])]
+    median["rounds"] = " ".join(f"{r:.2f}" for r in ratios)
+    return median, statistics.median(ratios)
 
 
 def bench_publish(cluster):
@@ -355,7 +363,8 @@ def main():
         machine = f"{os.cpu_count()} cores, {subprocess.run(['uname', '-sr'], capture_output=True, text=True).stdout.strip()}"
         version = cluster.psql("SHOW server_version")
         print(f"== idempotency benchmark: PostgreSQL {version}, {machine}")
-        print(f"   pgbench -M prepared, {CLIENTS} clients, {SECONDS} s, {ROUNDS} rounds alternating; median of rounds")
+        print(f"   pgbench -M prepared, {CLIENTS} clients, {SECONDS} s, {ROUNDS} rounds alternating;"
+              " tps: median of rounds; ratio: median of the rounds' ratios")
         cluster.psql_file(os.path.join(HERE, "setup.sql"))
         cluster.psql_file(os.path.join(HERE, "peers", "plpgsql.sql"))
 
