@@ -182,7 +182,7 @@ $node->poll_query_until('postgres', 'SELECT count(*) > 100 FROM writes')
 $node->safe_psql('postgres', q{
 	INSERT INTO idempotency.keys (scope, key, attempt, ttl, created_at, expires_at, status_code)
 	SELECT 's', 'busy' || n, 1, '1 s', now() - interval '1 day', now() - interval '1 hour', 200
-	FROM generate_series(1, 5000) n;
+	FROM generate_series(1, 20000) n;
 });
 ok($node->poll_query_until('postgres', 'SELECT count(*) = 1 FROM idempotency.keys'),
 	'with another session writing, the expired keys are purged all the same');
