@@ -15,6 +15,7 @@ OBJS = \
 	src/guc.o \
 	src/tables.o \
 	src/keys.o \
+	src/claim_scan.o \
 	src/fingerprint.o \
 	src/events.o \
 	src/outbox.o \
@@ -32,7 +33,7 @@ PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter
 TEST_CONF = $(CURDIR)/test/idempotency.conf
 
 # pg_regress: one file per topic under sql/, expected output under expected/
-REGRESS = setup keys_claim keys_complete keys_lease keys_fingerprint keys_input \
+REGRESS = setup keys_claim keys_claim_scan keys_complete keys_lease keys_fingerprint keys_input \
 	keys_release_policy keys_security events outbox outbox_routes
 
 # pg_isolation_regress: specs/*.spec, expected output under expected/

@@ -17,6 +17,7 @@
 
 #include "guc.h"
 #include "idempotency.h"
+#include "keys.h"
 #include "shmem.h"
 #include "worker.h"
 
@@ -33,6 +34,7 @@ void
 _PG_init(void)
 {
 	idem_define_gucs();
+	idem_claim_scan_register();
 
 	if (!process_shared_preload_libraries_in_progress)
 		return;

@@ -47,6 +47,7 @@
 #include "guc.h"
 #include "shmem.h"
 #include "idempotency.h"
+#include "keys.h"
 #include "tables.h"
 
 PG_FUNCTION_INFO_V1(idem_claim);
@@ -63,9 +64,11 @@ enum
 	RESULT_HEADERS,
 	RESULT_ATTEMPT,
 	RESULT_RECOVERY_POINT,
-	RESULT_CREATED_AT,
-	RESULT_NATTS
+	RESULT_CREATED_AT
 };
+
+StaticAssertDecl(RESULT_CREATED_AT + 1 == IDEM_CLAIM_RESULT_NATTS,
+				 "claim_result's columns");
 
 /* A row of idempotency.keys, deformed. */
 typedef struct KeyRow
@@ -170,18 +173,14 @@ outcome_datum(ClaimOutcome outcome)
 }
 
 /*
- * Build the claim_result: the outcome, and for every outcome but "claimed"
- * of a new key, what the stored row says.
+ * Fill the columns of claim_result: the outcome, and for every outcome but
+ * "claimed" of a new key, what the stored row says.
  */
-static Datum
-claim_result(FunctionCallInfo fcinfo, ClaimOutcome outcome, const KeyRow *row)
+static void
+claim_columns(ClaimOutcome outcome, const KeyRow *row, Datum *values, bool *nulls)
 {
-	TupleDesc	desc = claim_result_desc(fcinfo);
-	Datum		values[RESULT_NATTS] = {0};
-	bool		nulls[RESULT_NATTS];
-	HeapTuple	tuple;
-
-	memset(nulls, true, sizeof(nulls));
+	memset(values, 0, sizeof(Datum) * IDEM_CLAIM_RESULT_NATTS);
+	memset(nulls, true, sizeof(bool) * IDEM_CLAIM_RESULT_NATTS);
 	idem_count(outcomes[outcome].counter, 1);
 	values[RESULT_OUTCOME] = outcome_datum(outcome);
 	nulls[RESULT_OUTCOME] = false;
@@ -207,11 +206,6 @@ claim_result(FunctionCallInfo fcinfo, ClaimOutcome outcome, const KeyRow *row)
 			nulls[copied[i].result_column] = KEY_ISNULL(row, copied[i].key_column);
 		}
 	}
-
-	/* HeapTupleGetDatum inlines any TOASTed body, as a composite must */
-	tuple = heap_form_tuple(desc, values, nulls);
-	ReleaseTupleDesc(desc);
-	return HeapTupleGetDatum(tuple);
 }
 
 /*
@@ -306,10 +300,13 @@ decide_claim(const KeyRow *row, bool being_modified, bool written_by_us,
 }
 
 /*
- * idem_claim(scope, key, fingerprint, ttl, lease) -> claim_result
+ * What idem_claim(scope, key, fingerprint, ttl, lease) does, its answer put
+ * in the IDEM_CLAIM_RESULT_NATTS columns of claim_result (values, nulls),
+ * which point into the stored row and live in the current memory context.
+ * The arguments are fcinfo's; its flinfo is not used.
  */
-Datum
-idem_claim(PG_FUNCTION_ARGS)
+void
+idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 {
 	text	   *scope = idem_arg_identifier(fcinfo, 0, "scope", 0);
 	text	   *key = idem_arg_identifier(fcinfo, 1, "key", 1);
@@ -318,7 +315,6 @@ idem_claim(PG_FUNCTION_ARGS)
 	Interval   *lease = idem_arg_duration(fcinfo, 4, "lease", idem_lease_ms);
 	Datum		pkey[2] = {PointerGetDatum(scope), PointerGetDatum(key)};
 	IdemRelation rel;
-	Datum		result;
 
 	idem_require_writable("idem_claim()");
 	idem_relation_open(&rel, IDEM_TABLE_KEYS, RowExclusiveLock);
@@ -343,7 +339,7 @@ idem_claim(PG_FUNCTION_ARGS)
 			start_claim(&row, false, fingerprint, ttl, lease, now);
 			if (idem_insert_unique(&rel, row.values, row.nulls))
 			{
-				result = claim_result(fcinfo, OUTCOME_CLAIMED, &row);
+				claim_columns(OUTCOME_CLAIMED, &row, values, nulls);
 				break;
 			}
 			continue;			/* lost a race: look again */
@@ -362,7 +358,7 @@ idem_claim(PG_FUNCTION_ARGS)
 				SpeculativeInsertionWait(found.inserting_xid, found.speculative_token);
 				continue;
 			}
-			result = claim_result(fcinfo, OUTCOME_IN_PROGRESS, NULL);
+			claim_columns(OUTCOME_IN_PROGRESS, NULL, values, nulls);
 			break;
 		}
 
@@ -371,17 +367,17 @@ idem_claim(PG_FUNCTION_ARGS)
 								fingerprint, now);
 		if (decision == CLAIM_MISMATCH)
 		{
-			result = claim_result(fcinfo, OUTCOME_MISMATCH, NULL);
+			claim_columns(OUTCOME_MISMATCH, NULL, values, nulls);
 			break;
 		}
 		if (decision == CLAIM_REPLAY)
 		{
-			result = claim_result(fcinfo, OUTCOME_REPLAY, &row);
+			claim_columns(OUTCOME_REPLAY, &row, values, nulls);
 			break;
 		}
 		if (decision == CLAIM_IN_PROGRESS)
 		{
-			result = claim_result(fcinfo, OUTCOME_IN_PROGRESS, &row);
+			claim_columns(OUTCOME_IN_PROGRESS, &row, values, nulls);
 			break;
 		}
 
@@ -392,13 +388,13 @@ idem_claim(PG_FUNCTION_ARGS)
 		{
 			if (decision == CLAIM_TAKE_OVER)
 				idem_count(IDEM_COUNTER_TAKEOVERS, 1);
-			result = claim_result(fcinfo, OUTCOME_CLAIMED, &row);
+			claim_columns(OUTCOME_CLAIMED, &row, values, nulls);
 			break;
 		}
 		if (tm == TM_BeingModified || tm == TM_WouldBlock)
 		{
 			/* someone else is taking it over, or holds a lock on it */
-			result = claim_result(fcinfo, OUTCOME_IN_PROGRESS, NULL);
+			claim_columns(OUTCOME_IN_PROGRESS, NULL, values, nulls);
 			break;
 		}
 		if (tm != TM_Updated && tm != TM_Deleted)
@@ -407,7 +403,29 @@ idem_claim(PG_FUNCTION_ARGS)
 	}
 
 	idem_relation_close(&rel);
-	PG_RETURN_DATUM(result);
+}
+
+/*
+ * idem_claim(scope, key, fingerprint, ttl, lease) -> claim_result
+ *
+ * Called in FROM, as it usually is, the planner puts a direct scan in the
+ * place of this function (claim_scan.c); everywhere else, this runs.
+ */
+Datum
+idem_claim(PG_FUNCTION_ARGS)
+{
+	Datum		values[IDEM_CLAIM_RESULT_NATTS];
+	bool		nulls[IDEM_CLAIM_RESULT_NATTS];
+	TupleDesc	desc;
+	HeapTuple	tuple;
+
+	idem_claim_columns(fcinfo, values, nulls);
+
+	/* HeapTupleGetDatum inlines any TOASTed body, as a composite must */
+	desc = claim_result_desc(fcinfo);
+	tuple = heap_form_tuple(desc, values, nulls);
+	ReleaseTupleDesc(desc);
+	PG_RETURN_DATUM(HeapTupleGetDatum(tuple));
 }
 
 /*

@@ -1,0 +1,98 @@
+--
+-- keys_claim_scan: idem_claim called in FROM runs as a direct scan
+-- ("Custom Scan (idem_claim)"), and answers exactly as the function would.
+--
+SET search_path = idempotency, public;
+CREATE TEMP TABLE counted AS SELECT claims, replays, conflicts FROM idem_stats_counters();
+
+-- The usual call is planned as the direct scan, and answers as before.
+EXPLAIN (COSTS OFF) SELECT outcome FROM idem_claim('scan', 'k1');
+SELECT outcome, status_code, attempt, created_at IS NOT NULL AS has_created_at
+FROM idem_claim('scan', 'k1');
+SELECT idem_complete('scan', 'k1', 201, '{"id": 1}', '{"Location": "/x/1"}');
+SELECT outcome, status_code, body, headers, attempt FROM idem_claim('scan', 'k1');
+
+-- A condition on the result filters the one row, but the claim is made all
+-- the same: filtered out here, it is in progress for the next call.
+SELECT outcome FROM idem_claim('scan', 'k2') WHERE outcome = 'replay';
+SELECT outcome FROM idem_claim('scan', 'k2');
+
+-- A query that reads no column still makes the claim.
+SELECT count(*) FROM idem_claim('scan', 'k3');
+SELECT outcome FROM idem_claim('scan', 'k3');
+
+-- A body stored out of line (TOAST) is replayed whole.
+SELECT (idem_claim('scan', 'big')).outcome;
+SELECT idem_complete('scan', 'big', 200, repeat('0123456789', 20000));
+SELECT outcome, length(body), md5(body) = md5(repeat('0123456789', 20000)) AS same_body
+FROM idem_claim('scan', 'big');
+
+-- LATERAL: one claim per outer row, each with its own arguments.
+EXPLAIN (COSTS OFF)
+SELECT g, c.outcome FROM generate_series(1, 3) g, LATERAL idem_claim('scan:lateral', g::text) c;
+SELECT g, c.outcome, c.attempt
+FROM generate_series(1, 3) g, LATERAL idem_claim('scan:lateral', g::text) c;
+SELECT g, c.outcome
+FROM generate_series(1, 3) g, LATERAL idem_claim('scan:lateral', g::text) c;
+
+-- Rescanned with the same arguments (a subquery run per outer row), the scan
+-- returns its one row again rather than claiming again, as a Function Scan
+-- rereads its result: claimed three times, not claimed then in_progress.
+SELECT g, (SELECT outcome FROM idem_claim('scan', 'k4') WHERE g > 0)
+FROM generate_series(1, 3) g;
+
+-- Where a whole row is read, or the statement is not a plain SELECT, the
+-- function runs as a Function Scan, with the same answers.
+EXPLAIN (COSTS OFF) SELECT c FROM idem_claim('scan', 'k1') c;
+SELECT c.outcome, (c).status_code FROM idem_claim('scan', 'k1') c;
+SELECT row_to_json(c)->>'outcome' AS outcome FROM idem_claim('scan', 'k1') c;
+CREATE TEMP TABLE answers (outcome text);
+EXPLAIN (COSTS OFF) INSERT INTO answers SELECT outcome FROM idem_claim('scan', 'k5');
+INSERT INTO answers SELECT outcome FROM idem_claim('scan', 'k5');
+SELECT * FROM answers;
+EXPLAIN (COSTS OFF)
+WITH gone AS (DELETE FROM answers RETURNING 1) SELECT outcome FROM idem_claim('scan', 'k5');
+
+-- ALTER FUNCTION ... SET makes fmgr wrap the function: a prepared statement
+-- is planned again, as a Function Scan, and back once the setting is reset.
+PREPARE replay_k1 AS SELECT outcome, status_code FROM idem_claim('scan', 'k1');
+EXPLAIN (COSTS OFF) EXECUTE replay_k1;
+ALTER FUNCTION idem_claim(text, text, text, interval, interval) SET work_mem = '8MB';
+EXPLAIN (COSTS OFF) EXECUTE replay_k1;
+EXECUTE replay_k1;
+ALTER FUNCTION idem_claim(text, text, text, interval, interval) RESET ALL;
+EXPLAIN (COSTS OFF) EXECUTE replay_k1;
+EXECUTE replay_k1;
+DEALLOCATE replay_k1;
+
+-- The direct scan checks EXECUTE on the function, as the executor does: a
+-- role that may use the schema but was not granted the function is refused.
+CREATE ROLE idem_scan_nobody;
+GRANT USAGE ON SCHEMA idempotency TO idem_scan_nobody;
+SET ROLE idem_scan_nobody;
+SELECT outcome FROM idem_claim('scan', 'k1');
+RESET ROLE;
+REVOKE USAGE ON SCHEMA idempotency FROM idem_scan_nobody;
+DROP ROLE idem_scan_nobody;
+
+-- Bad arguments get the function's errors.
+SELECT outcome FROM idem_claim(NULL, 'k');
+SELECT outcome FROM idem_claim('scan', '');
+SELECT outcome FROM idem_claim('scan', 'k', lease => '-1 second');
+
+-- PL/pgSQL's SELECT INTO, with a key from a variable.
+DO $$
+DECLARE
+	c idempotency.claim_result;
+	k text := 'k6';
+BEGIN
+	SELECT * INTO c FROM idempotency.idem_claim('scan', k);
+	RAISE NOTICE 'first: %, attempt %', c.outcome, c.attempt;
+	SELECT * INTO c FROM idempotency.idem_claim('scan', k);
+	RAISE NOTICE 'second: %', c.outcome;
+END $$;
+
+-- Every answer above was counted once.
+SELECT s.claims - c.claims AS claims, s.replays - c.replays AS replays,
+       s.conflicts - c.conflicts AS conflicts
+FROM idem_stats_counters() s, counted c;

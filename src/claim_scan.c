@@ -1,0 +1,457 @@
+/*-------------------------------------------------------------------------
+ *
+ * claim_scan.c
+ *	  A direct scan of idem_claim(...) called in FROM.
+ *
+ * The usual call, SELECT ... FROM idempotency.idem_claim(...), is planned
+ * as a Function Scan: the executor looks up the function's result type,
+ * calls the function, which forms a composite datum, puts that into a
+ * tuplestore, and reads it back out of it.  For a replay, which is one
+ * index probe, that machinery costs about a tenth of the statement.  So the
+ * planner is given a Custom Scan instead, which evaluates the arguments,
+ * runs the same code as the function (idem_claim_columns) and hands its
+ * columns to the executor as they are.
+ *
+ * It replaces the Function Scan only where nothing can tell the two apart:
+ * our C function itself (not a wrapper, not one made SECURITY DEFINER or
+ * given SET options, which would have to run through fmgr), called alone
+ * in its FROM item (no WITH ORDINALITY, no ROWS FROM), with no reference to
+ * the whole row, in a query that is a plain SELECT all the way up (no row
+ * locks, no data-modifying WITH, not inside an INSERT, UPDATE, DELETE or
+ * MERGE), so that EvalPlanQual never has to run it again.  The scan checks
+ * EXECUTE on the function, as the executor would, and the plan depends on
+ * the function, so that ALTER FUNCTION replans.  EXPLAIN shows
+ * "Custom Scan (idem_claim)".
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/detoast.h"
+#include "catalog/objectaccess.h"
+#include "catalog/pg_language.h"
+#include "catalog/pg_proc.h"
+#include "access/sysattr.h"
+#include "catalog/pg_type.h"
+#include "executor/executor.h"
+#include "miscadmin.h"
+#include "nodes/extensible.h"
+#include "nodes/makefuncs.h"
+#include "nodes/nodeFuncs.h"
+#include "optimizer/pathnode.h"
+#include "optimizer/paths.h"
+#include "optimizer/planmain.h"
+#include "optimizer/optimizer.h"
+#include "optimizer/restrictinfo.h"
+#include "parser/parsetree.h"
+#include "utils/acl.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/syscache.h"
+#include "utils/typcache.h"
+
+#include "compat.h"
+#include "keys.h"
+
+#define CLAIM_SCAN_NAME "idem_claim"
+#define CLAIM_NARGS 5
+
+/* claim_result's column types, in order; anything else is not ours */
+static const Oid claim_result_types[IDEM_CLAIM_RESULT_NATTS] = {
+	TEXTOID, INT4OID, TEXTOID, JSONBOID, INT4OID, TEXTOID, TIMESTAMPTZOID
+};
+
+/*
+ * The scan's state.  Its one row stays in values and nulls, in memory of
+ * its own, until the arguments change: a rescan that changes none of them
+ * (the inner side of a join, say) returns the same row again without a
+ * second claim, as a Function Scan rereads its tuplestore.
+ */
+typedef struct ClaimScanState
+{
+	CustomScanState css;
+	ExprState  *args[CLAIM_NARGS];	/* each argument, NULL where a constant */
+	int			ncolumns;		/* the scan tuple's columns ... */
+	int			columns[IDEM_CLAIM_RESULT_NATTS];	/* ... in claim_result */
+	Bitmapset  *arg_params;		/* the PARAM_EXEC ids the arguments read */
+	FunctionCallInfo fcinfo;	/* the arguments, as idem_claim_columns reads them */
+	MemoryContext row_context;	/* holds the row and all that made it */
+	bool		have_row;		/* values and nulls hold the claim's answer */
+	bool		returned;		/* ... and the scan has returned it */
+	Datum		values[IDEM_CLAIM_RESULT_NATTS];
+	bool		nulls[IDEM_CLAIM_RESULT_NATTS];
+} ClaimScanState;
+
+static set_rel_pathlist_hook_type prev_set_rel_pathlist_hook = NULL;
+
+static Plan *claim_plan_path(PlannerInfo *root, RelOptInfo *rel,
+							 CustomPath *best_path, List *tlist,
+							 List *clauses, List *custom_plans);
+static Node *claim_create_state(CustomScan *cscan);
+static void claim_begin(CustomScanState *node, EState *estate, int eflags);
+static TupleTableSlot *claim_exec(CustomScanState *node);
+static void claim_end(CustomScanState *node);
+static void claim_rescan(CustomScanState *node);
+
+static const CustomPathMethods claim_path_methods = {
+	.CustomName = CLAIM_SCAN_NAME,
+	.PlanCustomPath = claim_plan_path,
+};
+
+static const CustomScanMethods claim_scan_methods = {
+	.CustomName = CLAIM_SCAN_NAME,
+	.CreateCustomScanState = claim_create_state,
+};
+
+static const CustomExecMethods claim_exec_methods = {
+	.CustomName = CLAIM_SCAN_NAME,
+	.BeginCustomScan = claim_begin,
+	.ExecCustomScan = claim_exec,
+	.EndCustomScan = claim_end,
+	.ReScanCustomScan = claim_rescan,
+};
+
+/*
+ * Is funcid our idem_claim, called as plainly as fmgr would call it?  fmgr
+ * puts its own wrapper in front of a SECURITY DEFINER function, one with SET
+ * options, or one a security hook watches: then fn_addr is not idem_claim.
+ */
+static bool
+is_plain_idem_claim(Oid funcid)
+{
+	HeapTuple	proc = SearchSysCache1(PROCOID, ObjectIdGetDatum(funcid));
+	FmgrInfo	flinfo;
+	bool		in_c;
+
+	if (!HeapTupleIsValid(proc))
+		return false;
+	in_c = ((Form_pg_proc) GETSTRUCT(proc))->prolang == ClanguageId;
+	ReleaseSysCache(proc);
+	if (!in_c)
+		return false;
+	fmgr_info(funcid, &flinfo);
+	return flinfo.fn_addr == idem_claim;
+}
+
+/* A plain SELECT at every level of the query this rel belongs to? */
+static bool
+in_plain_select(PlannerInfo *root)
+{
+	for (PlannerInfo *level = root; level != NULL; level = level->parent_root)
+	{
+		Query	   *parse = level->parse;
+
+		if (parse->commandType != CMD_SELECT || parse->rowMarks != NIL ||
+			parse->hasModifyingCTE)
+			return false;
+	}
+	return true;
+}
+
+/*
+ * Does anything read the rel's row as a whole: its target list, its own
+ * conditions, or the join conditions a parameterized scan would take in?
+ */
+static bool
+references_whole_row(RelOptInfo *rel)
+{
+	Bitmapset  *attnos = NULL;
+	ListCell   *lc;
+
+	pull_varattnos((Node *) rel->reltarget->exprs, rel->relid, &attnos);
+	foreach(lc, rel->baserestrictinfo)
+		pull_varattnos((Node *) lfirst_node(RestrictInfo, lc)->clause, rel->relid, &attnos);
+	foreach(lc, rel->joininfo)
+		pull_varattnos((Node *) lfirst_node(RestrictInfo, lc)->clause, rel->relid, &attnos);
+	return bms_is_member(InvalidAttrNumber - FirstLowInvalidHeapAttributeNumber, attnos);
+}
+
+/* Does claim_result still have the columns this code fills? */
+static bool
+result_type_is_ours(Oid typid)
+{
+	TupleDesc	desc = lookup_rowtype_tupdesc_noerror(typid, -1, true);
+	bool		ours;
+
+	if (desc == NULL)
+		return false;
+	ours = desc->natts == IDEM_CLAIM_RESULT_NATTS;
+	for (int i = 0; ours && i < desc->natts; i++)
+		ours = !TupleDescAttr(desc, i)->attisdropped &&
+			TupleDescAttr(desc, i)->atttypid == claim_result_types[i];
+	ReleaseTupleDesc(desc);
+	return ours;
+}
+
+/*
+ * set_rel_pathlist_hook: swap the Function Scan of a plain idem_claim call
+ * for ours, at the same cost and with the same parameterization (a LATERAL
+ * call is parameterized by the rels its arguments reference).
+ */
+static void
+claim_set_rel_pathlist(PlannerInfo *root, RelOptInfo *rel, Index rti,
+					   RangeTblEntry *rte)
+{
+	RangeTblFunction *rtfunc;
+	FuncExpr   *fexpr;
+	Path	   *function_path;
+	CustomPath *cpath;
+
+	if (prev_set_rel_pathlist_hook)
+		prev_set_rel_pathlist_hook(root, rel, rti, rte);
+
+	if (rte->rtekind != RTE_FUNCTION || rte->funcordinality ||
+		list_length(rte->functions) != 1 || rel->reloptkind != RELOPT_BASEREL)
+		return;
+	rtfunc = linitial_node(RangeTblFunction, rte->functions);
+	if (!IsA(rtfunc->funcexpr, FuncExpr) || rtfunc->funccolnames != NIL)
+		return;
+	fexpr = (FuncExpr *) rtfunc->funcexpr;
+	if (fexpr->funcretset || list_length(fexpr->args) != CLAIM_NARGS)
+		return;
+
+	/* exactly the one Function Scan path the core planner made */
+	if (list_length(rel->pathlist) != 1 || rel->partial_pathlist != NIL)
+		return;
+	function_path = linitial(rel->pathlist);
+	if (function_path->pathtype != T_FunctionScan)
+		return;
+
+	/* a whole-row reference would need the composite datum itself */
+	if (references_whole_row(rel))
+		return;
+
+	if (!in_plain_select(root) || !is_plain_idem_claim(fexpr->funcid) ||
+		!result_type_is_ours(fexpr->funcresulttype))
+		return;
+
+	cpath = makeNode(CustomPath);
+	cpath->path.pathtype = T_CustomScan;
+	cpath->path.parent = rel;
+	cpath->path.pathtarget = function_path->pathtarget;
+	cpath->path.param_info = function_path->param_info;
+	cpath->path.rows = function_path->rows;
+	cpath->path.startup_cost = function_path->startup_cost;
+	cpath->path.total_cost = function_path->total_cost;
+	cpath->path.pathkeys = NIL;
+	cpath->methods = &claim_path_methods;
+
+	rel->pathlist = list_make1(cpath);
+}
+
+/*
+ * The plan: the scan tuple is the columns of claim_result that the plan
+ * reads (custom_scan_tlist, Vars of the function's rel; custom_private
+ * holds the function and those columns' numbers), the arguments are
+ * custom_exprs, so that setrefs and nestloop parameters treat them as they
+ * would a Function Scan's.
+ */
+static Plan *
+claim_plan_path(PlannerInfo *root, RelOptInfo *rel, CustomPath *best_path,
+				List *tlist, List *clauses, List *custom_plans)
+{
+	RangeTblEntry *rte = planner_rt_fetch(rel->relid, root);
+	RangeTblFunction *rtfunc = linitial_node(RangeTblFunction, rte->functions);
+	FuncExpr   *fexpr = castNode(FuncExpr, rtfunc->funcexpr);
+	CustomScan *cscan = makeNode(CustomScan);
+	TupleDesc	desc = lookup_rowtype_tupdesc(fexpr->funcresulttype, -1);
+	List	   *quals = extract_actual_clauses(clauses, false);
+	Bitmapset  *needed = NULL;
+	List	   *scan_tlist = NIL;
+	List	   *columns = NIL;
+
+	/* the scan tuple holds only the columns the plan reads */
+	pull_varattnos((Node *) tlist, rel->relid, &needed);
+	pull_varattnos((Node *) quals, rel->relid, &needed);
+	for (int i = 0; i < desc->natts; i++)
+	{
+		Form_pg_attribute attr = TupleDescAttr(desc, i);
+		Var		   *var;
+
+		if (!bms_is_member(i + 1 - FirstLowInvalidHeapAttributeNumber, needed))
+			continue;
+		var = makeVar(rel->relid, i + 1, attr->atttypid, attr->atttypmod,
+					  attr->attcollation, 0);
+		scan_tlist = lappend(scan_tlist,
+							 makeTargetEntry((Expr *) var, list_length(scan_tlist) + 1,
+											 NULL, false));
+		columns = lappend_int(columns, i);
+	}
+	ReleaseTupleDesc(desc);
+
+	cscan->scan.plan.targetlist = tlist;
+	cscan->scan.plan.qual = quals;
+	cscan->scan.scanrelid = 0;
+	cscan->custom_scan_tlist = scan_tlist;
+	cscan->custom_exprs = copyObject(fexpr->args);
+	cscan->custom_private = list_make2(list_make1_oid(fexpr->funcid), columns);
+	cscan->methods = &claim_scan_methods;
+
+	/* ALTER FUNCTION (SECURITY DEFINER, SET ...) or DROP replans */
+	record_plan_function_dependency(root, fexpr->funcid);
+	return &cscan->scan.plan;
+}
+
+static Node *
+claim_create_state(CustomScan *cscan)
+{
+	ClaimScanState *state = palloc0(sizeof(ClaimScanState));
+
+	NodeSetTag(state, T_CustomScanState);
+	state->css.methods = &claim_exec_methods;
+	return (Node *) state;
+}
+
+/* The PARAM_EXEC ids an expression reads. */
+static bool
+collect_exec_params(Node *node, Bitmapset **params)
+{
+	if (node == NULL)
+		return false;
+	if (IsA(node, Param) && ((Param *) node)->paramkind == PARAM_EXEC)
+		*params = bms_add_member(*params, ((Param *) node)->paramid);
+	return expression_tree_walker(node, collect_exec_params, params);
+}
+
+/* What ExecInitFunc checks of a function the executor is about to call. */
+static void
+claim_begin(CustomScanState *node, EState *estate, int eflags)
+{
+	ClaimScanState *state = (ClaimScanState *) node;
+	CustomScan *cscan = castNode(CustomScan, node->ss.ps.plan);
+	Oid			funcid = linitial_oid(linitial(cscan->custom_private));
+	List	   *columns = lsecond(cscan->custom_private);
+	AclResult	aclresult;
+	ListCell   *lc;
+
+	aclresult = compat_function_aclcheck(funcid, GetUserId(), ACL_EXECUTE);
+	if (aclresult != ACLCHECK_OK)
+		aclcheck_error(aclresult, OBJECT_FUNCTION, get_func_name(funcid));
+	InvokeFunctionExecuteHook(funcid);
+
+	state->fcinfo = palloc0(SizeForFunctionCallInfo(CLAIM_NARGS));
+	InitFunctionCallInfoData(*state->fcinfo, NULL, CLAIM_NARGS, InvalidOid,
+							 NULL, NULL);
+	/* constants (the defaults, usually) are set once; the rest evaluated */
+	foreach(lc, cscan->custom_exprs)
+	{
+		int			i = foreach_current_index(lc);
+		Expr	   *arg = (Expr *) lfirst(lc);
+
+		if (IsA(arg, Const))
+		{
+			state->fcinfo->args[i].value = ((Const *) arg)->constvalue;
+			state->fcinfo->args[i].isnull = ((Const *) arg)->constisnull;
+		}
+		else
+			state->args[i] = ExecInitExpr(arg, &node->ss.ps);
+	}
+	collect_exec_params((Node *) cscan->custom_exprs, &state->arg_params);
+
+	foreach(lc, columns)
+		state->columns[state->ncolumns++] = lfirst_int(lc);
+	state->row_context = AllocSetContextCreate(CurrentMemoryContext,
+											   "idem_claim scan",
+											   ALLOCSET_SMALL_SIZES);
+}
+
+/*
+ * Evaluate the arguments and make the claim, in the row's memory context.
+ * A column stored out of line is fetched now, as the composite datum the
+ * function returns would have it.
+ */
+static void
+claim_make_row(ClaimScanState *state)
+{
+	ExprContext *econtext = state->css.ss.ps.ps_ExprContext;
+	FunctionCallInfo fcinfo = state->fcinfo;
+	MemoryContext oldcxt;
+
+	MemoryContextReset(state->row_context);
+	oldcxt = MemoryContextSwitchTo(state->row_context);
+	for (int i = 0; i < CLAIM_NARGS; i++)
+	{
+		if (state->args[i] != NULL)
+			fcinfo->args[i].value = ExecEvalExpr(state->args[i], econtext,
+												 &fcinfo->args[i].isnull);
+	}
+	idem_claim_columns(fcinfo, state->values, state->nulls);
+	for (int i = 0; i < IDEM_CLAIM_RESULT_NATTS; i++)
+	{
+		struct varlena *value = (struct varlena *) DatumGetPointer(state->values[i]);
+
+		if (!state->nulls[i] && (claim_result_types[i] == TEXTOID ||
+								 claim_result_types[i] == JSONBOID) &&
+			VARATT_IS_EXTERNAL(value))
+			state->values[i] = PointerGetDatum(detoast_external_attr(value));
+	}
+	MemoryContextSwitchTo(oldcxt);
+	state->have_row = true;
+}
+
+/*
+ * The one row, as a virtual tuple of the columns the plan reads, pointing
+ * into the row's memory.
+ */
+static TupleTableSlot *
+claim_next(ScanState *ss)
+{
+	ClaimScanState *state = (ClaimScanState *) ss;
+	TupleTableSlot *slot = ss->ss_ScanTupleSlot;
+
+	ExecClearTuple(slot);
+	if (state->returned)
+		return slot;
+	if (!state->have_row)
+		claim_make_row(state);
+	state->returned = true;
+	for (int i = 0; i < state->ncolumns; i++)
+	{
+		slot->tts_values[i] = state->values[state->columns[i]];
+		slot->tts_isnull[i] = state->nulls[state->columns[i]];
+	}
+	return ExecStoreVirtualTuple(slot);
+}
+
+/* Never reached: the scan is planned only where EvalPlanQual cannot run. */
+static bool
+claim_recheck(ScanState *ss, TupleTableSlot *slot)
+{
+	elog(ERROR, "idem_claim's scan cannot be rechecked");
+	return false;
+}
+
+static TupleTableSlot *
+claim_exec(CustomScanState *node)
+{
+	return ExecScan(&node->ss, claim_next, claim_recheck);
+}
+
+static void
+claim_end(CustomScanState *node)
+{
+	MemoryContextDelete(((ClaimScanState *) node)->row_context);
+}
+
+/*
+ * A LATERAL call runs again when an outer row changes its arguments; any
+ * other rescan returns the same row.
+ */
+static void
+claim_rescan(CustomScanState *node)
+{
+	ClaimScanState *state = (ClaimScanState *) node;
+
+	if (bms_overlap(node->ss.ps.chgParam, state->arg_params))
+		state->have_row = false;
+	state->returned = false;
+	ExecScanReScan(&node->ss);
+}
+
+void
+idem_claim_scan_register(void)
+{
+	RegisterCustomScanMethods(&claim_scan_methods);
+	prev_set_rel_pathlist_hook = set_rel_pathlist_hook;
+	set_rel_pathlist_hook = claim_set_rel_pathlist;
+}

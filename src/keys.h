@@ -1,0 +1,23 @@
+/*-------------------------------------------------------------------------
+ *
+ * keys.h
+ *	  Idempotency keys: what the planner's direct scan of idem_claim
+ *	  (claim_scan.c) shares with the SQL function (keys.c).
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEMPOTENCY_KEYS_H
+#define IDEMPOTENCY_KEYS_H
+
+#include "fmgr.h"
+
+/* The columns of idempotency.claim_result. */
+#define IDEM_CLAIM_RESULT_NATTS 7
+
+extern Datum idem_claim(PG_FUNCTION_ARGS);
+extern void idem_claim_columns(FunctionCallInfo fcinfo, Datum *values,
+							   bool *nulls);
+
+extern void idem_claim_scan_register(void);
+
+#endif							/* IDEMPOTENCY_KEYS_H */
