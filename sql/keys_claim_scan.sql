@@ -27,8 +27,9 @@ SELECT idem_complete('scan', 'big', 200, repeat('0123456789', 20000));
 SELECT outcome, length(body), md5(body) = md5(repeat('0123456789', 20000)) AS same_body
 FROM idem_claim('scan', 'big');
 
--- LATERAL: one claim per outer row, each with its own arguments.
-EXPLAIN (COSTS OFF)
+-- LATERAL: one claim per outer row, each with its own arguments (EXPLAIN
+-- VERBOSE shows the call, as for a Function Scan).
+EXPLAIN (COSTS OFF, VERBOSE)
 SELECT g, c.outcome FROM generate_series(1, 3) g, LATERAL idem_claim('scan:lateral', g::text) c;
 SELECT g, c.outcome, c.attempt
 FROM generate_series(1, 3) g, LATERAL idem_claim('scan:lateral', g::text) c;

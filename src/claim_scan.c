@@ -33,6 +33,7 @@
 #include "catalog/pg_proc.h"
 #include "access/sysattr.h"
 #include "catalog/pg_type.h"
+#include "commands/explain.h"
 #include "executor/executor.h"
 #include "miscadmin.h"
 #include "nodes/extensible.h"
@@ -47,6 +48,7 @@
 #include "utils/acl.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+#include "utils/ruleutils.h"
 #include "utils/syscache.h"
 #include "utils/typcache.h"
 
@@ -92,6 +94,8 @@ static void claim_begin(CustomScanState *node, EState *estate, int eflags);
 static TupleTableSlot *claim_exec(CustomScanState *node);
 static void claim_end(CustomScanState *node);
 static void claim_rescan(CustomScanState *node);
+static void claim_explain(CustomScanState *node, List *ancestors,
+						  ExplainState *es);
 
 static const CustomPathMethods claim_path_methods = {
 	.CustomName = CLAIM_SCAN_NAME,
@@ -109,6 +113,7 @@ static const CustomExecMethods claim_exec_methods = {
 	.ExecCustomScan = claim_exec,
 	.EndCustomScan = claim_end,
 	.ReScanCustomScan = claim_rescan,
+	.ExplainCustomScan = claim_explain,
 };
 
 /*
@@ -243,7 +248,8 @@ claim_set_rel_pathlist(PlannerInfo *root, RelOptInfo *rel, Index rti,
  * The plan: the scan tuple is the columns of claim_result that the plan
  * reads (custom_scan_tlist, Vars of the function's rel; custom_private
  * holds the function and those columns' numbers), the arguments are
- * custom_exprs, so that setrefs and nestloop parameters treat them as they
+ * in the call, custom_exprs' one element, so that setrefs and nestloop
+ * parameters treat them as they
  * would a Function Scan's.
  */
 static Plan *
@@ -283,7 +289,7 @@ claim_plan_path(PlannerInfo *root, RelOptInfo *rel, CustomPath *best_path,
 	cscan->scan.plan.qual = quals;
 	cscan->scan.scanrelid = 0;
 	cscan->custom_scan_tlist = scan_tlist;
-	cscan->custom_exprs = copyObject(fexpr->args);
+	cscan->custom_exprs = list_make1(copyObject(fexpr));
 	cscan->custom_private = list_make2(list_make1_oid(fexpr->funcid), columns);
 	cscan->methods = &claim_scan_methods;
 
@@ -333,7 +339,7 @@ claim_begin(CustomScanState *node, EState *estate, int eflags)
 	InitFunctionCallInfoData(*state->fcinfo, NULL, CLAIM_NARGS, InvalidOid,
 							 NULL, NULL);
 	/* constants (the defaults, usually) are set once; the rest evaluated */
-	foreach(lc, cscan->custom_exprs)
+	foreach(lc, linitial_node(FuncExpr, cscan->custom_exprs)->args)
 	{
 		int			i = foreach_current_index(lc);
 		Expr	   *arg = (Expr *) lfirst(lc);
@@ -446,6 +452,22 @@ claim_rescan(CustomScanState *node)
 		state->have_row = false;
 	state->returned = false;
 	ExecScanReScan(&node->ss);
+}
+
+/* EXPLAIN VERBOSE shows the call, as it does a Function Scan's. */
+static void
+claim_explain(CustomScanState *node, List *ancestors, ExplainState *es)
+{
+	CustomScan *cscan = castNode(CustomScan, node->ss.ps.plan);
+	List	   *context;
+
+	if (!es->verbose)
+		return;
+	context = set_deparse_context_plan(es->deparse_cxt, &cscan->scan.plan, ancestors);
+	ExplainPropertyText("Function Call",
+						deparse_expression(linitial(cscan->custom_exprs), context,
+										   list_length(es->rtable) > 1, false),
+						es);
 }
 
 void
