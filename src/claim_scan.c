@@ -21,17 +21,17 @@
  * MERGE), so that EvalPlanQual never has to run it again.  The scan checks
  * EXECUTE on the function, as the executor would, and the plan depends on
  * the function, so that ALTER FUNCTION replans.  EXPLAIN shows
- * "Custom Scan (idem_claim)".
+ * "Custom Scan (idem_claim)", and with VERBOSE the call.
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
 #include "access/detoast.h"
+#include "access/sysattr.h"
 #include "catalog/objectaccess.h"
 #include "catalog/pg_language.h"
 #include "catalog/pg_proc.h"
-#include "access/sysattr.h"
 #include "catalog/pg_type.h"
 #include "commands/explain.h"
 #include "executor/executor.h"
@@ -41,8 +41,8 @@
 #include "nodes/nodeFuncs.h"
 #include "optimizer/pathnode.h"
 #include "optimizer/paths.h"
-#include "optimizer/planmain.h"
 #include "optimizer/optimizer.h"
+#include "optimizer/planmain.h"
 #include "optimizer/restrictinfo.h"
 #include "parser/parsetree.h"
 #include "utils/acl.h"
@@ -247,10 +247,9 @@ claim_set_rel_pathlist(PlannerInfo *root, RelOptInfo *rel, Index rti,
 /*
  * The plan: the scan tuple is the columns of claim_result that the plan
  * reads (custom_scan_tlist, Vars of the function's rel; custom_private
- * holds the function and those columns' numbers), the arguments are
- * in the call, custom_exprs' one element, so that setrefs and nestloop
- * parameters treat them as they
- * would a Function Scan's.
+ * holds the function and those columns' numbers).  The call itself is the
+ * one custom expression, so that setrefs and nestloop parameters treat its
+ * arguments as they would a Function Scan's, and EXPLAIN can show it.
  */
 static Plan *
 claim_plan_path(PlannerInfo *root, RelOptInfo *rel, CustomPath *best_path,
