@@ -42,6 +42,31 @@ FROM generate_series(1, 3) g, LATERAL idem_claim('scan:lateral', g::text) c;
 SELECT g, (SELECT outcome FROM idem_claim('scan', 'k4') WHERE g > 0)
 FROM generate_series(1, 3) g;
 
+-- A cursor can move back over the one row, as over a Function Scan's
+-- result: back from the row finds nothing, forward again finds it again,
+-- without a second claim.
+BEGIN;
+DECLARE claim_cursor CURSOR FOR SELECT outcome, attempt FROM idem_claim('scan', 'k7');
+FETCH NEXT FROM claim_cursor;
+FETCH PRIOR FROM claim_cursor;
+FETCH NEXT FROM claim_cursor;
+FETCH NEXT FROM claim_cursor;
+FETCH PRIOR FROM claim_cursor;
+COMMIT;
+
+-- An argument with a subquery that reads the outer row is left to a
+-- Function Scan, which claims again for each outer row: k8a, then k8b.
+CREATE TEMP TABLE outer_rows (k text);
+INSERT INTO outer_rows VALUES ('a'), ('b');
+EXPLAIN (COSTS OFF)
+SELECT o.k, (SELECT c.outcome FROM idem_claim('scan',
+        CASE WHEN 'a' IN (SELECT o.k) THEN 'k8a' ELSE 'k8b' END) c)
+FROM outer_rows o;
+SELECT o.k, (SELECT c.outcome FROM idem_claim('scan',
+        CASE WHEN 'a' IN (SELECT o.k) THEN 'k8a' ELSE 'k8b' END) c)
+FROM outer_rows o ORDER BY o.k;
+SELECT outcome FROM idem_claim('scan', 'k8b');
+
 -- Where a whole row is read, or the statement is not a plain SELECT, the
 -- function runs as a Function Scan, with the same answers.
 EXPLAIN (COSTS OFF) SELECT c FROM idem_claim('scan', 'k1') c;
@@ -65,6 +90,13 @@ ALTER FUNCTION idem_claim(text, text, text, interval, interval) RESET ALL;
 EXPLAIN (COSTS OFF) EXECUTE replay_k1;
 EXECUTE replay_k1;
 DEALLOCATE replay_k1;
+
+-- Made STRICT, a call with a NULL argument must not run at all: that is the
+-- executor's to decide, so the Function Scan is back.
+ALTER FUNCTION idem_claim(text, text, text, interval, interval) STRICT;
+EXPLAIN (COSTS OFF) SELECT outcome FROM idem_claim('scan', 'k9');
+ALTER FUNCTION idem_claim(text, text, text, interval, interval) CALLED ON NULL INPUT;
+EXPLAIN (COSTS OFF) SELECT outcome FROM idem_claim('scan', 'k9');
 
 -- The direct scan checks EXECUTE on the function, as the executor does: a
 -- role that may use the schema but was not granted the function is refused.

@@ -16,9 +16,13 @@
  * our C function itself (not a wrapper, not one made SECURITY DEFINER or
  * given SET options, which would have to run through fmgr), called alone
  * in its FROM item (no WITH ORDINALITY, no ROWS FROM), with no reference to
- * the whole row, in a query that is a plain SELECT all the way up (no row
- * locks, no data-modifying WITH, not inside an INSERT, UPDATE, DELETE or
- * MERGE), so that EvalPlanQual never has to run it again.  The scan checks
+ * the whole row and no SubPlan in its arguments, in a query that is a
+ * plain SELECT all the way up (no row locks, no data-modifying WITH, not
+ * inside an INSERT, UPDATE, DELETE or MERGE), so that EvalPlanQual never
+ * has to run it again.  (It can still sit in a WITH query of a statement
+ * whose outer part locks rows; EvalPlanQual then sets up its node again, but
+ * a CTE Scan rechecked there reads the CTE's rows already made, and never
+ * runs it.)  The scan checks
  * EXECUTE on the function, as the executor would, and the plan depends on
  * the function, so that ALTER FUNCTION replans.  EXPLAIN shows
  * "Custom Scan (idem_claim)", and with VERBOSE the call.
@@ -41,6 +45,7 @@
 #include "nodes/nodeFuncs.h"
 #include "optimizer/pathnode.h"
 #include "optimizer/paths.h"
+#include "optimizer/clauses.h"
 #include "optimizer/optimizer.h"
 #include "optimizer/planmain.h"
 #include "optimizer/restrictinfo.h"
@@ -79,7 +84,7 @@ typedef struct ClaimScanState
 	FunctionCallInfo fcinfo;	/* the arguments, as idem_claim_columns reads them */
 	MemoryContext row_context;	/* holds the row and all that made it */
 	bool		have_row;		/* values and nulls hold the claim's answer */
-	bool		returned;		/* ... and the scan has returned it */
+	int			position;		/* 0 before the row, 1 on it, 2 past it */
 	Datum		values[IDEM_CLAIM_RESULT_NATTS];
 	bool		nulls[IDEM_CLAIM_RESULT_NATTS];
 } ClaimScanState;
@@ -120,19 +125,22 @@ static const CustomExecMethods claim_exec_methods = {
  * Is funcid our idem_claim, called as plainly as fmgr would call it?  fmgr
  * puts its own wrapper in front of a SECURITY DEFINER function, one with SET
  * options, or one a security hook watches: then fn_addr is not idem_claim.
+ * Nor may it have been made STRICT.
  */
 static bool
 is_plain_idem_claim(Oid funcid)
 {
 	HeapTuple	proc = SearchSysCache1(PROCOID, ObjectIdGetDatum(funcid));
 	FmgrInfo	flinfo;
-	bool		in_c;
+	bool		plain;
 
 	if (!HeapTupleIsValid(proc))
 		return false;
-	in_c = ((Form_pg_proc) GETSTRUCT(proc))->prolang == ClanguageId;
+	/* STRICT would have the executor skip calls with a NULL argument */
+	plain = ((Form_pg_proc) GETSTRUCT(proc))->prolang == ClanguageId &&
+		!((Form_pg_proc) GETSTRUCT(proc))->proisstrict;
 	ReleaseSysCache(proc);
-	if (!in_c)
+	if (!plain)
 		return false;
 	fmgr_info(funcid, &flinfo);
 	return flinfo.fn_addr == idem_claim;
@@ -214,6 +222,9 @@ claim_set_rel_pathlist(PlannerInfo *root, RelOptInfo *rel, Index rti,
 	fexpr = (FuncExpr *) rtfunc->funcexpr;
 	if (fexpr->funcretset || list_length(fexpr->args) != CLAIM_NARGS)
 		return;
+	/* a SubPlan's outer references would escape the rescan check below */
+	if (contain_subplans((Node *) fexpr))
+		return;
 
 	/* exactly the one Function Scan path the core planner made */
 	if (list_length(rel->pathlist) != 1 || rel->partial_pathlist != NIL)
@@ -239,6 +250,7 @@ claim_set_rel_pathlist(PlannerInfo *root, RelOptInfo *rel, Index rti,
 	cpath->path.startup_cost = function_path->startup_cost;
 	cpath->path.total_cost = function_path->total_cost;
 	cpath->path.pathkeys = NIL;
+	cpath->flags = CUSTOMPATH_SUPPORT_BACKWARD_SCAN;
 	cpath->methods = &claim_path_methods;
 
 	rel->pathlist = list_make1(cpath);
@@ -287,6 +299,7 @@ claim_plan_path(PlannerInfo *root, RelOptInfo *rel, CustomPath *best_path,
 	cscan->scan.plan.targetlist = tlist;
 	cscan->scan.plan.qual = quals;
 	cscan->scan.scanrelid = 0;
+	cscan->flags = best_path->flags;
 	cscan->custom_scan_tlist = scan_tlist;
 	cscan->custom_exprs = list_make1(copyObject(fexpr));
 	cscan->custom_private = list_make2(list_make1_oid(fexpr->funcid), columns);
@@ -396,7 +409,9 @@ claim_make_row(ClaimScanState *state)
 
 /*
  * The one row, as a virtual tuple of the columns the plan reads, pointing
- * into the row's memory.
+ * into the row's memory.  A cursor can move back over it, as over a
+ * Function Scan's tuplestore: forward from before the row returns it, back
+ * from past it returns it again, and any other move returns nothing.
  */
 static TupleTableSlot *
 claim_next(ScanState *ss)
@@ -405,11 +420,22 @@ claim_next(ScanState *ss)
 	TupleTableSlot *slot = ss->ss_ScanTupleSlot;
 
 	ExecClearTuple(slot);
-	if (state->returned)
+	if (ScanDirectionIsBackward(ss->ps.state->es_direction))
+	{
+		/* a cursor moving back: onto the row from past it, else off it */
+		if (state->position-- != 2)
+		{
+			state->position = 0;
+			return slot;
+		}
+	}
+	else if (state->position++ != 0)
+	{
+		state->position = 2;
 		return slot;
+	}
 	if (!state->have_row)
 		claim_make_row(state);
-	state->returned = true;
 	for (int i = 0; i < state->ncolumns; i++)
 	{
 		slot->tts_values[i] = state->values[state->columns[i]];
@@ -449,7 +475,7 @@ claim_rescan(CustomScanState *node)
 
 	if (bms_overlap(node->ss.ps.chgParam, state->arg_params))
 		state->have_row = false;
-	state->returned = false;
+	state->position = 0;
 	ExecScanReScan(&node->ss);
 }
 
