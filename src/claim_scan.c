@@ -47,7 +47,6 @@
 #include "optimizer/paths.h"
 #include "optimizer/clauses.h"
 #include "optimizer/optimizer.h"
-#include "optimizer/planmain.h"
 #include "optimizer/restrictinfo.h"
 #include "parser/parsetree.h"
 #include "utils/acl.h"
@@ -305,8 +304,11 @@ claim_plan_path(PlannerInfo *root, RelOptInfo *rel, CustomPath *best_path,
 	cscan->custom_private = list_make2(list_make1_oid(fexpr->funcid), columns);
 	cscan->methods = &claim_scan_methods;
 
-	/* ALTER FUNCTION (SECURITY DEFINER, SET ...) or DROP replans */
-	record_plan_function_dependency(root, fexpr->funcid);
+	/*
+	 * setrefs records the plan's dependency on the function in custom_exprs,
+	 * as for any call: ALTER FUNCTION (SECURITY DEFINER, SET ...) or DROP
+	 * replans.
+	 */
 	return &cscan->scan.plan;
 }
 
