@@ -258,7 +258,7 @@ claim_set_rel_pathlist(PlannerInfo *root, RelOptInfo *rel, Index rti,
 /*
  * The plan: the scan tuple is the columns of claim_result that the plan
  * reads (custom_scan_tlist, Vars of the function's rel; custom_private
- * holds the function and those columns' numbers).  The call itself is the
+ * holds those columns' numbers in claim_result).  The call itself is the
  * one custom expression, so that setrefs and nestloop parameters treat its
  * arguments as they would a Function Scan's, and EXPLAIN can show it.
  */
@@ -301,7 +301,7 @@ claim_plan_path(PlannerInfo *root, RelOptInfo *rel, CustomPath *best_path,
 	cscan->flags = best_path->flags;
 	cscan->custom_scan_tlist = scan_tlist;
 	cscan->custom_exprs = list_make1(copyObject(fexpr));
-	cscan->custom_private = list_make2(list_make1_oid(fexpr->funcid), columns);
+	cscan->custom_private = columns;
 	cscan->methods = &claim_scan_methods;
 
 	/*
@@ -339,8 +339,8 @@ claim_begin(CustomScanState *node, EState *estate, int eflags)
 {
 	ClaimScanState *state = (ClaimScanState *) node;
 	CustomScan *cscan = castNode(CustomScan, node->ss.ps.plan);
-	Oid			funcid = linitial_oid(linitial(cscan->custom_private));
-	List	   *columns = lsecond(cscan->custom_private);
+	FuncExpr   *fexpr = linitial_node(FuncExpr, cscan->custom_exprs);
+	Oid			funcid = fexpr->funcid;
 	AclResult	aclresult;
 	ListCell   *lc;
 
@@ -353,7 +353,7 @@ claim_begin(CustomScanState *node, EState *estate, int eflags)
 	InitFunctionCallInfoData(*state->fcinfo, NULL, CLAIM_NARGS, InvalidOid,
 							 NULL, NULL);
 	/* constants (the defaults, usually) are set once; the rest evaluated */
-	foreach(lc, linitial_node(FuncExpr, cscan->custom_exprs)->args)
+	foreach(lc, fexpr->args)
 	{
 		int			i = foreach_current_index(lc);
 		Expr	   *arg = (Expr *) lfirst(lc);
@@ -368,7 +368,7 @@ claim_begin(CustomScanState *node, EState *estate, int eflags)
 	}
 	collect_exec_params((Node *) cscan->custom_exprs, &state->arg_params);
 
-	foreach(lc, columns)
+	foreach(lc, cscan->custom_private)
 		state->columns[state->ncolumns++] = lfirst_int(lc);
 	state->row_context = AllocSetContextCreate(CurrentMemoryContext,
 											   "idem_claim scan",
@@ -421,21 +421,13 @@ claim_next(ScanState *ss)
 	ClaimScanState *state = (ClaimScanState *) ss;
 	TupleTableSlot *slot = ss->ss_ScanTupleSlot;
 
+	bool		backward = ScanDirectionIsBackward(ss->ps.state->es_direction);
+	bool		onto_row = state->position == (backward ? 2 : 0);
+
 	ExecClearTuple(slot);
-	if (ScanDirectionIsBackward(ss->ps.state->es_direction))
-	{
-		/* a cursor moving back: onto the row from past it, else off it */
-		if (state->position-- != 2)
-		{
-			state->position = 0;
-			return slot;
-		}
-	}
-	else if (state->position++ != 0)
-	{
-		state->position = 2;
+	state->position = onto_row ? 1 : backward ? 0 : 2;
+	if (!onto_row)
 		return slot;
-	}
 	if (!state->have_row)
 		claim_make_row(state);
 	for (int i = 0; i < state->ncolumns; i++)
