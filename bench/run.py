@@ -306,11 +306,12 @@ BASELINE_SECONDS = 5
 def purge_cycle(cluster, foreground=False):
     """Fill a million expired keys, then let the worker purge them (it holds
     off while they are written).  Returns the rate, the seconds the pass
-    took, and the table's size once it is over.  With foreground, 8 clients
-    claim and complete new keys all along, from BASELINE_SECONDS before the
-    purge to as long after its pass; the per-second tps reports are
-    returned too, as (seconds since the purge began, tps, window) with
-    window "quiet" or "purge" for the seconds measured."""
+    took, and the table's size once it is over, as (heap, indexes).  With
+    foreground, 8 clients claim and complete new keys all along, from
+    BASELINE_SECONDS before the purge to as long after its pass; the
+    per-second tps reports are returned too, as (seconds since the purge
+    began, tps, window) with window "quiet" or "purge" for the seconds
+    measured."""
     set_purge_interval(cluster, "1h")
     fill_expired(cluster, "idempotency.keys")
     # as on a server where keys expire a day after they were written, every
@@ -353,8 +354,14 @@ def purge_cycle(cluster, foreground=False):
         wait_pass_over(session)
         wait_pass_over(session)
     session.close()
-    size = int(cluster.psql("SELECT pg_total_relation_size('idempotency.keys')"))
-    return rate, end - start, size, reports
+    heap, indexes = (int(n) for n in cluster.psql(
+        "SELECT pg_table_size('idempotency.keys'), pg_indexes_size('idempotency.keys')").split("|"))
+    return rate, end - start, (heap, indexes), reports
+
+
+def mb(size):
+    """A (heap, indexes) size as the cycle lines print it."""
+    return f"{sum(size) / 2**20:.0f} MB (heap {size[0] / 2**20:.0f} + indexes {size[1] / 2**20:.0f})"
 
 
 def main():
@@ -432,27 +439,27 @@ def main():
         plain_rate = PURGE_ROWS / (time.time() - start)
         rate, took, size1, _ = purge_cycle(cluster)
         print(f"cycle 1: {rate:,.0f} rows/s (pass over in {took:.1f} s); plain batched DELETE "
-              f"{plain_rate:,.0f} rows/s; size {size1 / 2**20:.0f} MB", flush=True)
+              f"{plain_rate:,.0f} rows/s; size {mb(size1)}", flush=True)
         rate2, took2, size2, reports = purge_cycle(cluster, foreground=True)
         quiet = statistics.median(tps for _, tps, window in reports if window == "quiet")
         during = statistics.median(tps for _, tps, window in reports if window == "purge")
         print(f"cycle 2, 8 clients claiming: {rate2:,.0f} rows/s (pass over in {took2:.1f} s); "
               f"claim+complete {during:.0f} tps during the pass, {quiet:.0f} tps in the "
               f"{BASELINE_SECONDS} s before and after (medians of per-second rates); "
-              f"size {size2 / 2**20:.0f} MB", flush=True)
+              f"size {mb(size2)}", flush=True)
         print("   tps each second (q: quiet, p: purging): " +
               " ".join(f"{at:+.0f}{(window or ' ')[0]}{tps:.0f}" for at, tps, window in reports),
               flush=True)
         rate3, took3, size3, _ = purge_cycle(cluster)
-        # the keys cycle 2's clients claimed are live (24 h): the table grew
-        # for them while it still held the million expired ones
+        # the keys cycle 2's clients claimed are live (24 h): cycle 3's
+        # million expired ones need room beside them
         live = int(cluster.psql("SELECT count(*) FROM idempotency.keys"))
-        print(f"cycle 3: {rate3:,.0f} rows/s (pass over in {took3:.1f} s); size {size3 / 2**20:.0f} MB "
-              f"({size3 / size1:.2f}x cycle 1), holding the {live:,} live keys cycle 2's "
+        print(f"cycle 3: {rate3:,.0f} rows/s (pass over in {took3:.1f} s); size {mb(size3)} "
+              f"({sum(size3) / sum(size1):.2f}x cycle 1), holding the {live:,} live keys cycle 2's "
               f"clients claimed", flush=True)
         summary["purge_rows_per_s"] = round(statistics.median([rate, rate2, rate3]))
         summary["foreground_during_purge"] = round(during / quiet, 3)
-        summary["bloat_after_3_cycles"] = round(size3 / size1, 3)
+        summary["bloat_after_3_cycles"] = round(sum(size3) / sum(size1), 3)
     finally:
         cluster.stop()
     print(json.dumps(summary))

@@ -42,6 +42,7 @@ maintenance_cursor_init(MaintenanceCursor *cursor)
 	for (int unit = 0; unit < NUM_MAINTENANCE_UNITS; unit++)
 	{
 		cursor->next_block[unit] = InvalidBlockNumber;
+		cursor->to_prune[unit].first = cursor->to_prune[unit].end = 0;
 		cursor->purged_in_pass[unit] = 0;
 	}
 	cursor->publish_carefully = false;
@@ -68,7 +69,8 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 			done = idem_purge_expired(unit == UNIT_PURGE_KEYS ?
 									  IDEM_TABLE_KEYS : IDEM_TABLE_EVENTS,
 									  now, idem_purge_batch_size,
-									  &cursor->next_block[unit]);
+									  &cursor->next_block[unit],
+									  &cursor->to_prune[unit]);
 			more = cursor->next_block[unit] != InvalidBlockNumber;
 			break;
 		case UNIT_PURGE_OUTBOX:
@@ -105,6 +107,24 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 	cursor->purged_in_pass[unit] += done;
 	idem_count(IDEM_COUNTER_PURGED, done);
 	return more;
+}
+
+/*
+ * Prune the pages the unit's last purge batch deleted rows on, which has
+ * committed since (see idem_prune_purged), in the current transaction.  The
+ * worker's: idem_run_maintenance's batches have not committed yet, and the
+ * vacuum that autovacuum gives a table it purged reclaims the space anyway.
+ */
+void
+maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor)
+{
+	IdemBlockRange range = cursor->to_prune[unit];
+
+	if (unit != UNIT_PURGE_KEYS && unit != UNIT_PURGE_EVENTS)
+		return;
+	cursor->to_prune[unit].first = cursor->to_prune[unit].end = 0;
+	idem_prune_purged(unit == UNIT_PURGE_KEYS ? IDEM_TABLE_KEYS : IDEM_TABLE_EVENTS,
+					  range);
 }
 
 /*

@@ -11,6 +11,8 @@
 
 #include "storage/block.h"
 
+#include "tables.h"
+
 /* The kinds of work, each done in bounded batches. */
 typedef enum MaintenanceUnit
 {
@@ -23,12 +25,14 @@ typedef enum MaintenanceUnit
 
 /*
  * Where the work stands between batches: each purge's walk over its heap,
- * and whether the next publish batch must go carefully (a row in it failed
- * the fast way).
+ * the pages its last batch deleted rows on (for maintenance_prune), and
+ * whether the next publish batch must go carefully (a row in it failed the
+ * fast way).
  */
 typedef struct MaintenanceCursor
 {
 	BlockNumber next_block[NUM_MAINTENANCE_UNITS];
+	IdemBlockRange to_prune[NUM_MAINTENANCE_UNITS];
 	uint64		purged_in_pass[NUM_MAINTENANCE_UNITS];	/* reset by the caller */
 	bool		publish_carefully;
 	bool		last_publish_was_fast;	/* so a failed one is retried at once */
@@ -50,5 +54,6 @@ extern const char *const maintenance_unit_names[NUM_MAINTENANCE_UNITS];
 extern void maintenance_cursor_init(MaintenanceCursor *cursor);
 extern bool maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 							  MaintenanceCounts *counts);
+extern void maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor);
 
 #endif							/* IDEMPOTENCY_MAINTENANCE_H */

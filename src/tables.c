@@ -40,6 +40,7 @@
 #include "executor/tuptable.h"
 #include "miscadmin.h"
 #include "storage/bufmgr.h"
+#include "storage/freespace.h"
 #include "storage/lmgr.h"
 #include "utils/fmgroids.h"
 #include "utils/inval.h"
@@ -681,12 +682,13 @@ idem_delete(IdemRelation *rel, ItemPointer tid, bool wait)
  * after PURGE_MAX_BLOCKS pages, so that one with little to delete does not
  * read a whole large table in one go while ready outbox rows wait for the
  * worker.  A row that another transaction holds or has changed is left for
- * the next pass.
+ * the next pass.  *deleted_on is set to the blocks the batch deleted rows
+ * on, for idem_prune_purged once it has committed.
  */
 #define PURGE_MAX_BLOCKS	1024
 uint64
 idem_purge_expired(IdemTable table, TimestampTz now, int limit,
-				   BlockNumber *next_block)
+				   BlockNumber *next_block, IdemBlockRange *deleted_on)
 {
 	const ExpectedTable *def = &table_defs[table];
 	Relation	heap = open_table(table, RowExclusiveLock);
@@ -700,6 +702,7 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 	uint64		deleted = 0;
 
 	*next_block = InvalidBlockNumber;
+	deleted_on->first = deleted_on->end = 0;
 	if (start == InvalidBlockNumber || start >= nblocks)
 		start = 0;
 	if (nblocks == 0)
@@ -734,10 +737,80 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 		}
 		if (table_tuple_delete(heap, &tuple->t_self, cid, snapshot, InvalidSnapshot,
 							   false, &tmfd, false) == TM_Ok)
-			deleted++;
+		{
+			BlockNumber block = ItemPointerGetBlockNumber(&tuple->t_self);
+
+			if (deleted++ == 0)
+				deleted_on->first = block;
+			deleted_on->end = block + 1;
+		}
 	}
 	table_endscan(scan);
 	UnregisterSnapshot(snapshot);
 	table_close(heap, NoLock);
 	return deleted;
+}
+
+/*
+ * Make the space of the rows a purge batch deleted reusable now, rather
+ * than after the next vacuum, once the batch has committed: prune the pages
+ * it deleted rows on, and enter their free space in the free space map.
+ * Until then the rows written meanwhile would grow the table, however much
+ * of it the purge emptied; and the vacuum after a large purge waits for a
+ * quiet moment (see the worker), which a busy server may not have for long.
+ * The dead rows' index entries remain for the vacuum to remove, as do their
+ * line pointers, left dead.
+ *
+ * Pruning is heap_page_prune_opt's, which every scan runs on the pages it
+ * reads, with the server's rules for which rows no snapshot can still see.
+ * It prunes a page only when the page looks short of room: less free space
+ * than the fillfactor reserves, or PD_PAGE_FULL, the hint an UPDATE leaves
+ * when its new row version did not fit.  A page that inserts filled up to
+ * its fillfactor, then purged, has neither, though no insert can use it
+ * until it is pruned: so we leave that hint on the pages the batch deleted
+ * rows on first.  A page that cannot be pruned yet (a snapshot taken before
+ * the batch committed is still open, or another backend has it pinned)
+ * keeps the hint, and the next scan to read it prunes it.
+ */
+void
+idem_prune_purged(IdemTable table, IdemBlockRange range)
+{
+	Relation	heap;
+	BlockNumber end;
+
+	if (range.first >= range.end)
+		return;
+	heap = open_table(table, AccessShareLock);
+	end = Min(range.end, RelationGetNumberOfBlocks(heap));
+	for (BlockNumber block = range.first; block < end; block++)
+	{
+		Buffer		buffer = ReadBuffer(heap, block);
+		Page		page = BufferGetPage(buffer);
+		bool		pruned;
+		Size		free_space;
+
+		CHECK_FOR_INTERRUPTS();
+		LockBuffer(buffer, BUFFER_LOCK_EXCLUSIVE);
+		if (!TransactionIdIsValid(((PageHeader) page)->pd_prune_xid))
+		{
+			/* nothing deleted here, or already pruned */
+			UnlockReleaseBuffer(buffer);
+			continue;
+		}
+		PageSetFull(page);
+		MarkBufferDirtyHint(buffer, true);
+		LockBuffer(buffer, BUFFER_LOCK_UNLOCK);
+
+		heap_page_prune_opt(heap, buffer);
+
+		LockBuffer(buffer, BUFFER_LOCK_SHARE);
+		pruned = !PageIsFull(page);
+		free_space = PageGetHeapFreeSpace(page);
+		UnlockReleaseBuffer(buffer);
+		if (pruned)
+			RecordPageWithFreeSpace(heap, block, free_space);
+	}
+	/* the map's upper levels, which inserts search from */
+	FreeSpaceMapVacuumRange(heap, range.first, end);
+	table_close(heap, NoLock);
 }

@@ -133,7 +133,16 @@ extern TM_Result idem_update(IdemRelation *rel, ItemPointer tid,
 							 Datum *values, bool *nulls, bool wait);
 extern TM_Result idem_delete(IdemRelation *rel, ItemPointer tid, bool wait);
 
+/* Blocks first to end - 1 of a table: none when first == end. */
+typedef struct IdemBlockRange
+{
+	BlockNumber first;
+	BlockNumber end;
+} IdemBlockRange;
+
 extern uint64 idem_purge_expired(IdemTable table, TimestampTz now, int limit,
-								 BlockNumber *next_block);
+								 BlockNumber *next_block,
+								 IdemBlockRange *deleted_on);
+extern void idem_prune_purged(IdemTable table, IdemBlockRange range);
 
 #endif							/* IDEMPOTENCY_TABLES_H */

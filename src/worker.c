@@ -497,6 +497,7 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 
 	PG_TRY();
 	{
+		maintenance_prune(unit, cursor);
 		more = maintenance_batch(unit, cursor, &counts);
 		PopActiveSnapshot();
 		count_own_xid();
@@ -518,6 +519,31 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	pgstat_report_stat(false);
 	pgstat_report_activity(STATE_IDLE, NULL);
 	return more;
+}
+
+/*
+ * Prune the pages the last batch of a purge deleted rows on, in a
+ * transaction of its own (run_batch prunes those of the batch before it).
+ */
+static void
+prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
+{
+	if (cursor->to_prune[unit].first >= cursor->to_prune[unit].end)
+		return;
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	pgstat_report_activity(STATE_RUNNING, maintenance_unit_names[unit]);
+	PG_TRY();
+	{
+		maintenance_prune(unit, cursor);
+		CommitTransactionCommand();
+	}
+	PG_CATCH();
+	{
+		report_and_abort();
+	}
+	PG_END_TRY();
+	pgstat_report_activity(STATE_IDLE, NULL);
 }
 
 /* Publish until nothing is ready. */
@@ -799,7 +825,10 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit,
  * Purge each table to the end.  Between purge batches, a commit that
  * enqueued events (our latch is set) gets its rows published first, so that
  * a long purge does not delay them; while other sessions write, the purge
- * yields to them.
+ * yields to them.  Each batch begins by pruning the pages the one before it
+ * deleted rows on, once that one has committed and the snapshots it could
+ * not yet hide its rows from have mostly ended, so that the rows others
+ * write meanwhile reuse the space (see idem_prune_purged).
  */
 static void
 purge_all(MaintenanceCursor *cursor)
@@ -826,14 +855,13 @@ purge_all(MaintenanceCursor *cursor)
 
 			busy = others_write() && idem_purge_busy_share < 100;
 			busy_in_pass |= busy;
-			if (more)
-			{
-				CHECK_FOR_INTERRUPTS();
-				if (busy)
-					yield_after(took, cursor);
-				publish_if_woken(cursor);
-			}
+			CHECK_FOR_INTERRUPTS();
+			/* after the last batch too: its pages are pruned after the rest */
+			if (busy)
+				yield_after(took, cursor);
+			publish_if_woken(cursor);
 		} while (more);
+		prune_after_pass((MaintenanceUnit) unit, cursor);
 		vacuum_after_purge(cursor, (MaintenanceUnit) unit, busy_in_pass);
 	}
 }

@@ -196,6 +196,23 @@ is($node->safe_psql('postgres',
 		"SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'idempotency.keys'::regclass"),
 	$vacuums_before, '... and not vacuuming while it wrote');
 
+# ... yet the space of the rows it purged is reusable already: it pruned the
+# pages it deleted them on and entered their free space in the map, so the
+# rows written next fill them rather than grow the table
+my $pages = $node->safe_psql('postgres',
+	"SELECT pg_relation_size('idempotency.keys') / 8192");
+$node->safe_psql('postgres', q{
+	INSERT INTO idempotency.keys (scope, key, attempt, ttl, created_at, expires_at, status_code)
+	SELECT 's', 'after' || n, 1, '1 day', now(), now() + interval '1 day', 200
+	FROM generate_series(1, 10000) n;
+});
+is($node->safe_psql('postgres', "SELECT pg_relation_size('idempotency.keys') / 8192"),
+	$pages, '... and the rows written next reuse their space, with no vacuum yet');
+is($node->safe_psql('postgres',
+		"SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'idempotency.keys'::regclass"),
+	$vacuums_before, '... (still none)');
+$node->safe_psql('postgres', "DELETE FROM idempotency.keys WHERE key LIKE 'after%'");
+
 $node->safe_psql('postgres', 'INSERT INTO stop_writing DEFAULT VALUES');
 ok($writer->finish, 'the writer stopped') or diag($writer_err);
 ok($node->poll_query_until('postgres', qq{
