@@ -42,7 +42,7 @@ maintenance_cursor_init(MaintenanceCursor *cursor)
 	for (int unit = 0; unit < NUM_MAINTENANCE_UNITS; unit++)
 	{
 		cursor->next_block[unit] = InvalidBlockNumber;
-		cursor->to_prune[unit].first = cursor->to_prune[unit].end = 0;
+		cursor->to_prune[unit][0].span = cursor->to_prune[unit][1].span = 0;
 		cursor->purged_in_pass[unit] = 0;
 	}
 	cursor->publish_carefully = false;
@@ -66,11 +66,13 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 	{
 		case UNIT_PURGE_KEYS:
 		case UNIT_PURGE_EVENTS:
+			/* the older pages have been pruned by now, or never will be */
+			cursor->to_prune[unit][0] = cursor->to_prune[unit][1];
 			done = idem_purge_expired(unit == UNIT_PURGE_KEYS ?
 									  IDEM_TABLE_KEYS : IDEM_TABLE_EVENTS,
 									  now, idem_purge_batch_size,
 									  &cursor->next_block[unit],
-									  &cursor->to_prune[unit]);
+									  &cursor->to_prune[unit][1]);
 			more = cursor->next_block[unit] != InvalidBlockNumber;
 			break;
 		case UNIT_PURGE_OUTBOX:
@@ -110,21 +112,30 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 }
 
 /*
- * Prune the pages the unit's last purge batch deleted rows on, which has
- * committed since (see idem_prune_purged), in the current transaction.  The
- * worker's: idem_run_maintenance's batches have not committed yet, and the
- * vacuum that autovacuum gives a table it purged reclaims the space anyway.
+ * Prune the pages the unit's purge batch before last deleted rows on, and
+ * with both, those of its last batch too (see idem_prune_purged), in the
+ * current transaction, under a snapshot taken after those batches
+ * committed.  The batch in between gave the snapshots older than the first
+ * one's commit the time to end; the caller waits for those older than the
+ * last one's.  The worker's: idem_run_maintenance's batches commit with the
+ * caller's transaction, after it returns, and the vacuum that autovacuum
+ * gives a table it purged reclaims the space anyway.
  */
 void
-maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor)
+maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor, bool both)
 {
-	IdemBlockRange range = cursor->to_prune[unit];
+	IdemTable	table = unit == UNIT_PURGE_KEYS ? IDEM_TABLE_KEYS : IDEM_TABLE_EVENTS;
 
 	if (unit != UNIT_PURGE_KEYS && unit != UNIT_PURGE_EVENTS)
 		return;
-	cursor->to_prune[unit].first = cursor->to_prune[unit].end = 0;
-	idem_prune_purged(unit == UNIT_PURGE_KEYS ? IDEM_TABLE_KEYS : IDEM_TABLE_EVENTS,
-					  range);
+	for (int i = 0; i < (both ? 2 : 1); i++)
+	{
+		IdemPurgedPages purged = cursor->to_prune[unit][i];
+
+		/* forgotten first: a failure costs one batch, not every one after it */
+		cursor->to_prune[unit][i].span = 0;
+		idem_prune_purged(table, &purged);
+	}
 }
 
 /*

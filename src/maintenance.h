@@ -25,14 +25,14 @@ typedef enum MaintenanceUnit
 
 /*
  * Where the work stands between batches: each purge's walk over its heap,
- * the pages its last batch deleted rows on (for maintenance_prune), and
- * whether the next publish batch must go carefully (a row in it failed the
- * fast way).
+ * the pages its last two batches deleted rows on, the older first (for
+ * maintenance_prune), and whether the next publish batch must go carefully
+ * (a row in it failed the fast way).
  */
 typedef struct MaintenanceCursor
 {
 	BlockNumber next_block[NUM_MAINTENANCE_UNITS];
-	IdemBlockRange to_prune[NUM_MAINTENANCE_UNITS];
+	IdemPurgedPages to_prune[NUM_MAINTENANCE_UNITS][2];
 	uint64		purged_in_pass[NUM_MAINTENANCE_UNITS];	/* reset by the caller */
 	bool		publish_carefully;
 	bool		last_publish_was_fast;	/* so a failed one is retried at once */
@@ -54,6 +54,7 @@ extern const char *const maintenance_unit_names[NUM_MAINTENANCE_UNITS];
 extern void maintenance_cursor_init(MaintenanceCursor *cursor);
 extern bool maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 							  MaintenanceCounts *counts);
-extern void maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor);
+extern void maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor,
+							  bool both);
 
 #endif							/* IDEMPOTENCY_MAINTENANCE_H */

@@ -679,16 +679,15 @@ idem_delete(IdemRelation *rel, ItemPointer tid, bool wait)
  * idem_complete's update non-HOT), so the purge walks the heap in order,
  * batch after batch; *next_block is where the next batch starts, or
  * InvalidBlockNumber once the pass reached the end.  A batch also stops
- * after PURGE_MAX_BLOCKS pages, so that one with little to delete does not
+ * after IDEM_PURGE_MAX_BLOCKS pages, so that one with little to delete does not
  * read a whole large table in one go while ready outbox rows wait for the
  * worker.  A row that another transaction holds or has changed is left for
- * the next pass.  *deleted_on is set to the blocks the batch deleted rows
- * on, for idem_prune_purged once it has committed.
+ * the next pass.  *purged is set to the pages the batch deleted rows on,
+ * for idem_prune_purged once it has committed.
  */
-#define PURGE_MAX_BLOCKS	1024
 uint64
 idem_purge_expired(IdemTable table, TimestampTz now, int limit,
-				   BlockNumber *next_block, IdemBlockRange *deleted_on)
+				   BlockNumber *next_block, IdemPurgedPages *purged)
 {
 	const ExpectedTable *def = &table_defs[table];
 	Relation	heap = open_table(table, RowExclusiveLock);
@@ -702,19 +701,20 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 	uint64		deleted = 0;
 
 	*next_block = InvalidBlockNumber;
-	deleted_on->first = deleted_on->end = 0;
 	if (start == InvalidBlockNumber || start >= nblocks)
 		start = 0;
+	memset(purged, 0, sizeof(*purged));
+	purged->first = start;
 	if (nblocks == 0)
 	{
 		table_close(heap, NoLock);
 		return 0;
 	}
 
-	if (nblocks - start > PURGE_MAX_BLOCKS)
+	if (nblocks - start > IDEM_PURGE_MAX_BLOCKS)
 	{
-		*next_block = start + PURGE_MAX_BLOCKS;
-		nblocks = start + PURGE_MAX_BLOCKS;
+		*next_block = start + IDEM_PURGE_MAX_BLOCKS;
+		nblocks = start + IDEM_PURGE_MAX_BLOCKS;
 	}
 
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());
@@ -738,16 +738,17 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 		if (table_tuple_delete(heap, &tuple->t_self, cid, snapshot, InvalidSnapshot,
 							   false, &tmfd, false) == TM_Ok)
 		{
-			BlockNumber block = ItemPointerGetBlockNumber(&tuple->t_self);
+			uint32		page = ItemPointerGetBlockNumber(&tuple->t_self) - start;
 
-			if (deleted++ == 0)
-				deleted_on->first = block;
-			deleted_on->end = block + 1;
+			purged->deleted_on[page / 64] |= UINT64CONST(1) << (page % 64);
+			purged->span = page + 1;
+			deleted++;
 		}
 	}
 	table_endscan(scan);
 	UnregisterSnapshot(snapshot);
 	table_close(heap, NoLock);
+	purged->xid = GetTopTransactionIdIfAny();
 	return deleted;
 }
 
@@ -759,7 +760,10 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
  * of it the purge emptied; and the vacuum after a large purge waits for a
  * quiet moment (see the worker), which a busy server may not have for long.
  * The dead rows' index entries remain for the vacuum to remove, as do their
- * line pointers, left dead.
+ * line pointers, left dead.  Only rows no snapshot can see any more are
+ * pruned: the caller waits for the snapshots older than the batch's commit
+ * to go, and takes its own after that (pruning goes by the horizons the
+ * last snapshot computed).
  *
  * Pruning is heap_page_prune_opt's, which every scan runs on the pages it
  * reads, with the server's rules for which rows no snapshot can still see.
@@ -767,50 +771,58 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
  * than the fillfactor reserves, or PD_PAGE_FULL, the hint an UPDATE leaves
  * when its new row version did not fit.  A page that inserts filled up to
  * its fillfactor, then purged, has neither, though no insert can use it
- * until it is pruned: so we leave that hint on the pages the batch deleted
- * rows on first.  A page that cannot be pruned yet (a snapshot taken before
- * the batch committed is still open, or another backend has it pinned)
- * keeps the hint, and the next scan to read it prunes it.
+ * until it is pruned: so we leave that hint on the page first.  A page that
+ * cannot be pruned yet (an older snapshot is still open, or another backend
+ * has the page pinned) keeps the hint, and the next scan or index fetch to
+ * read it prunes it; only the next vacuum enters it in the free space map,
+ * though.  Each page's free space goes to the map as it is now, whoever
+ * pruned it.
  */
 void
-idem_prune_purged(IdemTable table, IdemBlockRange range)
+idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 {
 	Relation	heap;
+	BufferAccessStrategy strategy;
 	BlockNumber end;
 
-	if (range.first >= range.end)
+	if (purged->span == 0)
 		return;
 	heap = open_table(table, AccessShareLock);
-	end = Min(range.end, RelationGetNumberOfBlocks(heap));
-	for (BlockNumber block = range.first; block < end; block++)
+	end = Min(purged->first + purged->span, RelationGetNumberOfBlocks(heap));
+	/* pages the purge left in shared buffers are found there all the same */
+	strategy = GetAccessStrategy(BAS_BULKREAD);
+	for (BlockNumber block = purged->first; block < end; block++)
 	{
-		Buffer		buffer = ReadBuffer(heap, block);
-		Page		page = BufferGetPage(buffer);
-		bool		pruned;
+		uint32		page = block - purged->first;
+		Buffer		buffer;
+		Page		contents;
 		Size		free_space;
 
-		CHECK_FOR_INTERRUPTS();
-		LockBuffer(buffer, BUFFER_LOCK_EXCLUSIVE);
-		if (!TransactionIdIsValid(((PageHeader) page)->pd_prune_xid))
-		{
-			/* nothing deleted here, or already pruned */
-			UnlockReleaseBuffer(buffer);
+		if (!(purged->deleted_on[page / 64] & (UINT64CONST(1) << (page % 64))))
 			continue;
+		CHECK_FOR_INTERRUPTS();
+		buffer = ReadBufferExtended(heap, MAIN_FORKNUM, block, RBM_NORMAL, strategy);
+		contents = BufferGetPage(buffer);
+
+		LockBuffer(buffer, BUFFER_LOCK_EXCLUSIVE);
+		/* not already pruned, by a scan since the batch committed */
+		if (TransactionIdIsValid(((PageHeader) contents)->pd_prune_xid) &&
+			!PageIsFull(contents))
+		{
+			PageSetFull(contents);
+			MarkBufferDirtyHint(buffer, true);
 		}
-		PageSetFull(page);
-		MarkBufferDirtyHint(buffer, true);
 		LockBuffer(buffer, BUFFER_LOCK_UNLOCK);
 
 		heap_page_prune_opt(heap, buffer);
 
 		LockBuffer(buffer, BUFFER_LOCK_SHARE);
-		pruned = !PageIsFull(page);
-		free_space = PageGetHeapFreeSpace(page);
+		free_space = PageGetHeapFreeSpace(contents);
 		UnlockReleaseBuffer(buffer);
-		if (pruned)
-			RecordPageWithFreeSpace(heap, block, free_space);
+		RecordPageWithFreeSpace(heap, block, free_space);
 	}
+	FreeAccessStrategy(strategy);
 	/* the map's upper levels, which inserts search from */
-	FreeSpaceMapVacuumRange(heap, range.first, end);
+	FreeSpaceMapVacuumRange(heap, purged->first, end);
 	table_close(heap, NoLock);
 }

@@ -133,16 +133,23 @@ extern TM_Result idem_update(IdemRelation *rel, ItemPointer tid,
 							 Datum *values, bool *nulls, bool wait);
 extern TM_Result idem_delete(IdemRelation *rel, ItemPointer tid, bool wait);
 
-/* Blocks first to end - 1 of a table: none when first == end. */
-typedef struct IdemBlockRange
+/*
+ * The pages a purge batch deleted rows on, for idem_prune_purged: bit i of
+ * deleted_on stands for page first + i, of the span pages a batch reads at
+ * most; and the batch's transaction.
+ */
+#define IDEM_PURGE_MAX_BLOCKS	1024
+typedef struct IdemPurgedPages
 {
 	BlockNumber first;
-	BlockNumber end;
-} IdemBlockRange;
+	uint32		span;			/* bits past the last one set: 0 for none */
+	uint64		deleted_on[IDEM_PURGE_MAX_BLOCKS / 64];
+	TransactionId xid;
+} IdemPurgedPages;
 
 extern uint64 idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 								 BlockNumber *next_block,
-								 IdemBlockRange *deleted_on);
-extern void idem_prune_purged(IdemTable table, IdemBlockRange range);
+								 IdemPurgedPages *purged);
+extern void idem_prune_purged(IdemTable table, IdemPurgedPages *purged);
 
 #endif							/* IDEMPOTENCY_TABLES_H */

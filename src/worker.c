@@ -497,7 +497,7 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 
 	PG_TRY();
 	{
-		maintenance_prune(unit, cursor);
+		maintenance_prune(unit, cursor, false);
 		more = maintenance_batch(unit, cursor, &counts);
 		PopActiveSnapshot();
 		count_own_xid();
@@ -519,31 +519,6 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	pgstat_report_stat(false);
 	pgstat_report_activity(STATE_IDLE, NULL);
 	return more;
-}
-
-/*
- * Prune the pages the last batch of a purge deleted rows on, in a
- * transaction of its own (run_batch prunes those of the batch before it).
- */
-static void
-prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
-{
-	if (cursor->to_prune[unit].first >= cursor->to_prune[unit].end)
-		return;
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	pgstat_report_activity(STATE_RUNNING, maintenance_unit_names[unit]);
-	PG_TRY();
-	{
-		maintenance_prune(unit, cursor);
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		report_and_abort();
-	}
-	PG_END_TRY();
-	pgstat_report_activity(STATE_IDLE, NULL);
 }
 
 /* Publish until nothing is ready. */
@@ -769,6 +744,39 @@ wait_for_older_snapshots(TransactionId xid, MaintenanceCursor *cursor)
 			return;
 		nap_publishing(10, cursor);
 	}
+}
+
+/*
+ * Prune the pages the last two batches of a purge deleted rows on (run_batch
+ * prunes those of the batches before), in a transaction of its own, once
+ * the snapshots older than the last batch's commit are gone.
+ */
+static void
+prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
+{
+	IdemPurgedPages *last = &cursor->to_prune[unit][1];
+
+	if (last->span == 0 && cursor->to_prune[unit][0].span == 0)
+		return;
+	if (last->span > 0)
+		wait_for_older_snapshots(last->xid, cursor);
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	/* which rows are dead to all goes by the horizons of the last snapshot */
+	PushActiveSnapshot(GetTransactionSnapshot());
+	pgstat_report_activity(STATE_RUNNING, maintenance_unit_names[unit]);
+	PG_TRY();
+	{
+		maintenance_prune(unit, cursor, true);
+		PopActiveSnapshot();
+		CommitTransactionCommand();
+	}
+	PG_CATCH();
+	{
+		report_and_abort();
+	}
+	PG_END_TRY();
+	pgstat_report_activity(STATE_IDLE, NULL);
 }
 
 /*
