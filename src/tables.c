@@ -782,15 +782,12 @@ void
 idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 {
 	Relation	heap;
-	BufferAccessStrategy strategy;
 	BlockNumber end;
 
 	if (purged->span == 0)
 		return;
 	heap = open_table(table, AccessShareLock);
 	end = Min(purged->first + purged->span, RelationGetNumberOfBlocks(heap));
-	/* pages the purge left in shared buffers are found there all the same */
-	strategy = GetAccessStrategy(BAS_BULKREAD);
 	for (BlockNumber block = purged->first; block < end; block++)
 	{
 		uint32		page = block - purged->first;
@@ -801,7 +798,8 @@ idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 		if (!(purged->deleted_on[page / 64] & (UINT64CONST(1) << (page % 64))))
 			continue;
 		CHECK_FOR_INTERRUPTS();
-		buffer = ReadBufferExtended(heap, MAIN_FORKNUM, block, RBM_NORMAL, strategy);
+		/* no ring: these are the pages the next inserts will go to */
+		buffer = ReadBuffer(heap, block);
 		contents = BufferGetPage(buffer);
 
 		LockBuffer(buffer, BUFFER_LOCK_EXCLUSIVE);
@@ -821,7 +819,6 @@ idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 		UnlockReleaseBuffer(buffer);
 		RecordPageWithFreeSpace(heap, block, free_space);
 	}
-	FreeAccessStrategy(strategy);
 	/* the map's upper levels, which inserts search from */
 	FreeSpaceMapVacuumRange(heap, purged->first, end);
 	table_close(heap, NoLock);
