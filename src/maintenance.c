@@ -49,6 +49,13 @@ maintenance_cursor_init(MaintenanceCursor *cursor)
 	cursor->last_publish_was_fast = false;
 }
 
+/* The table a purge unit walks. */
+static IdemTable
+purged_table(MaintenanceUnit unit)
+{
+	return unit == UNIT_PURGE_KEYS ? IDEM_TABLE_KEYS : IDEM_TABLE_EVENTS;
+}
+
 /*
  * Run one batch of a unit in the current transaction, add what it did to
  * counts and to the cumulative counters, and say whether another batch has
@@ -68,9 +75,7 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 		case UNIT_PURGE_EVENTS:
 			/* the older pages have been pruned by now, or never will be */
 			cursor->to_prune[unit][0] = cursor->to_prune[unit][1];
-			done = idem_purge_expired(unit == UNIT_PURGE_KEYS ?
-									  IDEM_TABLE_KEYS : IDEM_TABLE_EVENTS,
-									  now, idem_purge_batch_size,
+			done = idem_purge_expired(purged_table(unit), now, idem_purge_batch_size,
 									  &cursor->next_block[unit],
 									  &cursor->to_prune[unit][1]);
 			more = cursor->next_block[unit] != InvalidBlockNumber;
@@ -124,8 +129,6 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 void
 maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor, bool both)
 {
-	IdemTable	table = unit == UNIT_PURGE_KEYS ? IDEM_TABLE_KEYS : IDEM_TABLE_EVENTS;
-
 	if (unit != UNIT_PURGE_KEYS && unit != UNIT_PURGE_EVENTS)
 		return;
 	for (int i = 0; i < (both ? 2 : 1); i++)
@@ -134,7 +137,7 @@ maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor, bool both)
 
 		/* forgotten first: a failure costs one batch, not every one after it */
 		cursor->to_prune[unit][i].span = 0;
-		idem_prune_purged(table, &purged);
+		idem_prune_purged(purged_table(unit), &purged);
 	}
 }
 

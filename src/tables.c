@@ -679,9 +679,9 @@ idem_delete(IdemRelation *rel, ItemPointer tid, bool wait)
  * idem_complete's update non-HOT), so the purge walks the heap in order,
  * batch after batch; *next_block is where the next batch starts, or
  * InvalidBlockNumber once the pass reached the end.  A batch also stops
- * after IDEM_PURGE_MAX_BLOCKS pages, so that one with little to delete does not
- * read a whole large table in one go while ready outbox rows wait for the
- * worker.  A row that another transaction holds or has changed is left for
+ * after IDEM_PURGE_MAX_BLOCKS pages, so that one with little to delete does
+ * not read a whole large table in one go while ready outbox rows wait for
+ * the worker.  A row that another transaction holds or has changed is left for
  * the next pass.  *purged is set to the pages the batch deleted rows on,
  * for idem_prune_purged once it has committed.
  */
@@ -761,9 +761,9 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
  * quiet moment (see the worker), which a busy server may not have for long.
  * The dead rows' index entries remain for the vacuum to remove, as do their
  * line pointers, left dead.  Only rows no snapshot can see any more are
- * pruned: the caller waits for the snapshots older than the batch's commit
- * to go, and takes its own after that (pruning goes by the horizons the
- * last snapshot computed).
+ * pruned: the caller gives the snapshots older than the batch's commit time
+ * to go (a batch in between, or a wait), and takes its own after that
+ * (pruning goes by the horizons the last snapshot computed).
  *
  * Pruning is heap_page_prune_opt's, which every scan runs on the pages it
  * reads, with the server's rules for which rows no snapshot can still see.

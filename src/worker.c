@@ -833,10 +833,11 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit,
  * Purge each table to the end.  Between purge batches, a commit that
  * enqueued events (our latch is set) gets its rows published first, so that
  * a long purge does not delay them; while other sessions write, the purge
- * yields to them.  Each batch begins by pruning the pages the one before it
- * deleted rows on, once that one has committed and the snapshots it could
- * not yet hide its rows from have mostly ended, so that the rows others
- * write meanwhile reuse the space (see idem_prune_purged).
+ * yields to them.  Each batch begins by pruning the pages the batch two
+ * before it deleted rows on, whose rows the snapshots older than its commit
+ * have had a batch's time to stop seeing, and the pass ends by pruning
+ * those of its last two; so the rows others write meanwhile reuse the space
+ * (see idem_prune_purged).
  */
 static void
 purge_all(MaintenanceCursor *cursor)
@@ -863,11 +864,13 @@ purge_all(MaintenanceCursor *cursor)
 
 			busy = others_write() && idem_purge_busy_share < 100;
 			busy_in_pass |= busy;
-			CHECK_FOR_INTERRUPTS();
-			/* after the last batch too: its pages are pruned after the rest */
-			if (busy)
-				yield_after(took, cursor);
-			publish_if_woken(cursor);
+			if (more)
+			{
+				CHECK_FOR_INTERRUPTS();
+				if (busy)
+					yield_after(took, cursor);
+				publish_if_woken(cursor);
+			}
 		} while (more);
 		prune_after_pass((MaintenanceUnit) unit, cursor);
 		vacuum_after_purge(cursor, (MaintenanceUnit) unit, busy_in_pass);
