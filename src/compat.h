@@ -1,7 +1,7 @@
 /*-------------------------------------------------------------------------
  *
  * compat.h
- *	  Differences between the server versions we build against (13 to 17),
+ *	  Differences between the server versions we build against (15 to 18),
  *	  in one place, so that the rest of the code reads as if there were one.
  *
  *-------------------------------------------------------------------------
@@ -13,19 +13,8 @@
 #include "access/tableam.h"
 #include "utils/guc.h"
 
-#if PG_VERSION_NUM < 130000
-#error "idempotency needs PostgreSQL 13 or later"
-#endif
-
-/*
- * index_insert() gained the indexUnchanged hint (bottom-up deletion) in 14.
- */
-#if PG_VERSION_NUM >= 140000
-#define compat_index_insert(index, values, isnull, tid, heap, check, unchanged, info) \
-	index_insert((index), (values), (isnull), (tid), (heap), (check), (unchanged), (info))
-#else
-#define compat_index_insert(index, values, isnull, tid, heap, check, unchanged, info) \
-	index_insert((index), (values), (isnull), (tid), (heap), (check), (info))
+#if PG_VERSION_NUM < 150000
+#error "idempotency needs PostgreSQL 15 or later"
 #endif
 
 /*
@@ -45,40 +34,34 @@ typedef bool CompatUpdateIndexes;
 #endif
 
 /*
- * MarkGUCPrefixReserved() is 15's name; older servers call it
- * EmitWarningsOnPlaceholders().
+ * index_beginscan() takes the scan's instrumentation (EXPLAIN's index
+ * search counts) from 18; we pass none.
  */
-#if PG_VERSION_NUM < 150000
-#define MarkGUCPrefixReserved(prefix) EmitWarningsOnPlaceholders(prefix)
+#if PG_VERSION_NUM >= 180000
+#define compat_index_beginscan(heap, index, snapshot, nkeys, norderbys) \
+	index_beginscan((heap), (index), (snapshot), NULL, (nkeys), (norderbys))
+#else
+#define compat_index_beginscan(heap, index, snapshot, nkeys, norderbys) \
+	index_beginscan((heap), (index), (snapshot), (nkeys), (norderbys))
 #endif
 
 /*
- * ProcessUtility_hook gained readOnlyTree in 14.
+ * EXPLAIN's property printers moved from commands/explain.h to
+ * commands/explain_format.h in 18.
  */
-#if PG_VERSION_NUM >= 140000
-#define COMPAT_PROCESS_UTILITY_ARGS \
-	PlannedStmt *pstmt, const char *queryString, bool readOnlyTree, \
-	ProcessUtilityContext context, ParamListInfo params, \
-	QueryEnvironment *queryEnv, DestReceiver *dest, QueryCompletion *qc
-#define COMPAT_PROCESS_UTILITY_CALL \
-	pstmt, queryString, readOnlyTree, context, params, queryEnv, dest, qc
-#else
-#define COMPAT_PROCESS_UTILITY_ARGS \
-	PlannedStmt *pstmt, const char *queryString, \
-	ProcessUtilityContext context, ParamListInfo params, \
-	QueryEnvironment *queryEnv, DestReceiver *dest, QueryCompletion *qc
-#define COMPAT_PROCESS_UTILITY_CALL \
-	pstmt, queryString, context, params, queryEnv, dest, qc
+#if PG_VERSION_NUM >= 180000
+#include "commands/explain_format.h"
 #endif
 
 /*
- * The oldest transaction ID that some snapshot may still see as running:
- * GetOldestXmin() up to 13, GetOldestNonRemovableTransactionId() from 14.
+ * A GUC check hook's "extra" is freed by the GUC code: with free() up to 15,
+ * with guc_free() (GUC's own memory context) from 16, where guc_malloc()
+ * must allocate it.  NULL when out of memory, as malloc().
  */
-#if PG_VERSION_NUM >= 140000
-#define compat_oldest_nonremovable_xid() GetOldestNonRemovableTransactionId(NULL)
+#if PG_VERSION_NUM >= 160000
+#define compat_guc_extra_alloc(size) guc_malloc(LOG, (size))
 #else
-#define compat_oldest_nonremovable_xid() GetOldestXmin(NULL, PROCARRAY_FLAGS_VACUUM)
+#define compat_guc_extra_alloc(size) malloc(size)
 #endif
 
 /*
@@ -90,17 +73,6 @@ typedef bool CompatUpdateIndexes;
 #else
 #define compat_log_logical_message(prefix, message, size, transactional) \
 	LogLogicalMessage((prefix), (message), (size), (transactional))
-#endif
-
-/*
- * Before 15, a process that commits NOTIFYs outside the normal client loop
- * (a background worker) must signal the listeners itself.
- */
-#if PG_VERSION_NUM < 150000
-#include "commands/async.h"
-#define compat_process_completed_notifies() ProcessCompletedNotifies()
-#else
-#define compat_process_completed_notifies() ((void) 0)
 #endif
 
 /*
@@ -128,36 +100,11 @@ typedef bool CompatUpdateIndexes;
 #endif
 
 /*
- * InitMaterializedSRF() (15.1; 15.0 called it SetSingleFuncCall) sets up a
- * set-returning function's tuplestore; older servers get the same, spelled
- * out.
+ * InitMaterializedSRF() is 15.1's name; 15.0 called it SetSingleFuncCall().
  */
 #if PG_VERSION_NUM < 150001
-#include "funcapi.h"
-#include "miscadmin.h"
-#include "utils/tuplestore.h"
-
-#define MAT_SRF_USE_EXPECTED_DESC	0x01
-
-static inline void
-InitMaterializedSRF(FunctionCallInfo fcinfo, bits32 flags)
-{
-	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
-	MemoryContext oldcontext;
-
-	if (rsinfo == NULL || !IsA(rsinfo, ReturnSetInfo) ||
-		(rsinfo->allowedModes & SFRM_Materialize) == 0 ||
-		rsinfo->expectedDesc == NULL)
-		ereport(ERROR,
-				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
-				 errmsg("set-valued function called in context that cannot accept a set")));
-
-	oldcontext = MemoryContextSwitchTo(rsinfo->econtext->ecxt_per_query_memory);
-	rsinfo->setDesc = CreateTupleDescCopy(rsinfo->expectedDesc);
-	rsinfo->setResult = tuplestore_begin_heap(true, false, work_mem);
-	rsinfo->returnMode = SFRM_Materialize;
-	MemoryContextSwitchTo(oldcontext);
-}
+#define InitMaterializedSRF(fcinfo, flags) SetSingleFuncCall((fcinfo), (flags))
+#define MAT_SRF_USE_EXPECTED_DESC SRF_SINGLE_USE_EXPECTED
 #endif
 
 #endif							/* IDEMPOTENCY_COMPAT_H */

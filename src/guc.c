@@ -147,8 +147,8 @@ check_release_statuses(char **newval, void **extra, GucSource source)
 		}
 	}
 
-	/* GUC "extra" data is malloc'd, not palloc'd: the GUC code frees it */
-	result = (ReleaseSet *) malloc(sizeof(ReleaseSet));
+	/* the GUC code frees "extra" data with its own allocator's free */
+	result = (ReleaseSet *) compat_guc_extra_alloc(sizeof(ReleaseSet));
 	if (result == NULL)
 	{
 		GUC_check_errcode(ERRCODE_OUT_OF_MEMORY);

@@ -119,7 +119,10 @@ startup_shmem(void)
 	LWLockRelease(AddinShmemInitLock);
 }
 
-static void process_utility(COMPAT_PROCESS_UTILITY_ARGS);
+static void process_utility(PlannedStmt *pstmt, const char *queryString, bool readOnlyTree,
+				ProcessUtilityContext context, ParamListInfo params,
+				QueryEnvironment *queryEnv, DestReceiver *dest,
+				QueryCompletion *qc);
 
 /*
  * Called from _PG_init while shared_preload_libraries is being processed.
@@ -417,7 +420,10 @@ defelem_string(List *options, const char *name)
 }
 
 static void
-process_utility(COMPAT_PROCESS_UTILITY_ARGS)
+process_utility(PlannedStmt *pstmt, const char *queryString, bool readOnlyTree,
+				ProcessUtilityContext context, ParamListInfo params,
+				QueryEnvironment *queryEnv, DestReceiver *dest,
+				QueryCompletion *qc)
 {
 	Node	   *statement = pstmt->utilityStmt;
 
@@ -442,9 +448,11 @@ process_utility(COMPAT_PROCESS_UTILITY_ARGS)
 	}
 
 	if (prev_process_utility_hook)
-		prev_process_utility_hook(COMPAT_PROCESS_UTILITY_CALL);
+		prev_process_utility_hook(pstmt, queryString, readOnlyTree, context, params,
+								  queryEnv, dest, qc);
 	else
-		standard_ProcessUtility(COMPAT_PROCESS_UTILITY_CALL);
+		standard_ProcessUtility(pstmt, queryString, readOnlyTree, context, params,
+								queryEnv, dest, qc);
 }
 
 /*

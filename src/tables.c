@@ -429,7 +429,7 @@ idem_probe(IdemRelation *rel, const Datum *pkey_values, ProbeResult *result)
 
 	InitDirtySnapshot(dirty);
 	slot = table_slot_create(rel->heap, NULL);
-	scan = index_beginscan(rel->heap, rel->pkey, &dirty, def->npkey, 0);
+	scan = compat_index_beginscan(rel->heap, rel->pkey, &dirty, def->npkey, 0);
 	index_rescan(scan, scankeys, def->npkey, NULL, 0);
 
 	while (index_getnext_slot(scan, ForwardScanDirection, slot))
@@ -547,8 +547,8 @@ insert_index_entries(IdemRelation *rel, TupleTableSlot *slot,
 		check = is_pkey ? pkey_check : UNIQUE_CHECK_NO;
 
 		FormIndexDatum(rel->index_info[i], slot, NULL, values, isnull);
-		ok = compat_index_insert(index, values, isnull, &slot->tts_tid, rel->heap,
-								 check, is_update && is_pkey, rel->index_info[i]);
+		ok = index_insert(index, values, isnull, &slot->tts_tid, rel->heap,
+						  check, is_update && is_pkey, rel->index_info[i]);
 		if (is_pkey)
 			pkey_ok = ok;
 	}

@@ -502,7 +502,6 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 		PopActiveSnapshot();
 		count_own_xid();
 		CommitTransactionCommand();
-		compat_process_completed_notifies();
 	}
 	PG_CATCH();
 	{
@@ -740,7 +739,7 @@ wait_for_older_snapshots(TransactionId xid, MaintenanceCursor *cursor)
 {
 	for (int i = 0; i < 100; i++)
 	{
-		if (TransactionIdPrecedes(xid, compat_oldest_nonremovable_xid()))
+		if (TransactionIdPrecedes(xid, GetOldestNonRemovableTransactionId(NULL)))
 			return;
 		nap_publishing(10, cursor);
 	}
