@@ -98,3 +98,10 @@ check-examples:
 check-installcheck:
 	PG_CONFIG=$(PG_CONFIG) scripts/with-server.sh \
 		$(MAKE) --no-print-directory PG_CONFIG=$(PG_CONFIG) installcheck TAP_TESTS=
+
+# The Debian package (debian/, pg_buildext): built in a scratch copy,
+# installed, and tested with installcheck against the installed library
+# (as root; scripts/check-deb.sh)
+.PHONY: check-deb
+check-deb:
+	PG_CONFIG=$(PG_CONFIG) scripts/check-deb.sh
