@@ -14,6 +14,8 @@ OBJS = \
 	src/idempotency.o \
 	src/guc.o \
 	src/tables.o \
+	src/table_check.o \
+	src/guard.o \
 	src/keys.o \
 	src/claim_scan.o \
 	src/fingerprint.o \

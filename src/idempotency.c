@@ -124,6 +124,12 @@ idem_arg_duration(FunctionCallInfo fcinfo, int argno, const char *name,
 void
 idem_require_writable(const char *function_name)
 {
+	/* made PARALLEL SAFE by hand, a call could land in a parallel worker */
+	if (IsInParallelMode())
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_TRANSACTION_STATE),
+				 errmsg("%s cannot run during a parallel operation", function_name),
+				 errhint("The extension's functions are PARALLEL UNSAFE: restore that with ALTER FUNCTION ... PARALLEL UNSAFE.")));
 	PreventCommandIfReadOnly(function_name);
 	PreventCommandDuringRecovery(function_name);
 }

@@ -36,6 +36,7 @@
 
 #include "access/htup_details.h"
 #include "access/xact.h"
+#include "common/int.h"
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "storage/lmgr.h"
@@ -221,8 +222,15 @@ start_claim(KeyRow *row, bool takeover, text *fingerprint,
 
 	if (takeover)
 	{
-		KEY_SET(row, Anum_keys_attempt,
-				Int32GetDatum(DatumGetInt32(KEY_VALUE(row, Anum_keys_attempt)) + 1));
+		int32		attempt;
+
+		if (pg_add_s32_overflow(DatumGetInt32(KEY_VALUE(row, Anum_keys_attempt)), 1, &attempt))
+			ereport(ERROR,
+					(errcode(ERRCODE_NUMERIC_VALUE_OUT_OF_RANGE),
+					 errmsg("key has been taken over too many times"),
+					 errdetail("Its attempt number is already %d.", PG_INT32_MAX),
+					 errhint("Release the key with idem_release, or let it expire.")));
+		KEY_SET(row, Anum_keys_attempt, Int32GetDatum(attempt));
 		if (KEY_ISNULL(row, Anum_keys_fingerprint) && fingerprint != NULL)
 			KEY_SET(row, Anum_keys_fingerprint, PointerGetDatum(fingerprint));
 	}

@@ -35,6 +35,7 @@
 
 #include "compat.h"
 #include "guc.h"
+#include "guard.h"
 #include "shmem.h"
 
 PG_FUNCTION_INFO_V1(idem_stats_counters);
@@ -426,6 +427,8 @@ process_utility(PlannedStmt *pstmt, const char *queryString, bool readOnlyTree,
 				QueryCompletion *qc)
 {
 	Node	   *statement = pstmt->utilityStmt;
+
+	idem_guard_utility(statement);
 
 	if (shared != NULL)
 	{

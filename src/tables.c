@@ -49,82 +49,75 @@
 #include "utils/snapmgr.h"
 
 #include "compat.h"
+#include "table_check.h"
 #include "tables.h"
 
 #define IDEM_SCHEMA "idempotency"
 
-typedef struct ExpectedColumn
-{
-	const char *name;
-	Oid			type;
-} ExpectedColumn;
-
 /*
- * What the C code expects of each table.  The primary key is the first
- * npkey columns, compared with pkey_eq.  If someone alters a table, the
- * shape check refuses to read or write it rather than misread its rows.
+ * The tables as the script creates them (see table_check.h): if someone
+ * alters one, idem_check_table refuses to read or write it rather than
+ * misread its rows or skip a rule that SQL on the same table would enforce.
  */
-typedef struct ExpectedTable
-{
-	const char *name;
-	int			ncolumns;
-	const ExpectedColumn *columns;
-	int			npkey;
-	const Oid  *pkey_eq;
-	AttrNumber	expires_column; /* rows past this instant are purged */
-} ExpectedTable;
-
 static const ExpectedColumn keys_columns[Natts_keys] = {
-	{"scope", TEXTOID},
-	{"key", TEXTOID},
-	{"fingerprint", TEXTOID},
-	{"attempt", INT4OID},
-	{"recovery_point", TEXTOID},
-	{"lease_expires_at", TIMESTAMPTZOID},
-	{"status_code", INT4OID},
-	{"body", TEXTOID},
-	{"headers", JSONBOID},
-	{"ttl", INTERVALOID},
-	{"created_at", TIMESTAMPTZOID},
-	{"completed_at", TIMESTAMPTZOID},
-	{"expires_at", TIMESTAMPTZOID},
+	{"scope", TEXTOID, true, true},
+	{"key", TEXTOID, true, true},
+	{"fingerprint", TEXTOID, false, false},
+	{"attempt", INT4OID, true, false},
+	{"recovery_point", TEXTOID, false, false},
+	{"lease_expires_at", TIMESTAMPTZOID, false, false},
+	{"status_code", INT4OID, false, false},
+	{"body", TEXTOID, false, false},
+	{"headers", JSONBOID, false, false},
+	{"ttl", INTERVALOID, true, false},
+	{"created_at", TIMESTAMPTZOID, true, false},
+	{"completed_at", TIMESTAMPTZOID, false, false},
+	{"expires_at", TIMESTAMPTZOID, true, false},
 };
 
-/* both tables' primary keys are two text columns */
+static const char *const keys_checks[] = {"keys_status_code_check", NULL};
+
+/* both tables' primary keys are their first two columns, both text */
+static const AttrNumber first_two_columns[] = {1, 2};
 static const Oid two_text_columns_eq[] = {F_TEXTEQ, F_TEXTEQ};
 
 static const ExpectedColumn events_columns[Natts_events] = {
-	{"consumer", TEXTOID},
-	{"event_id", TEXTOID},
-	{"processed_at", TIMESTAMPTZOID},
-	{"expires_at", TIMESTAMPTZOID},
+	{"consumer", TEXTOID, true, true},
+	{"event_id", TEXTOID, true, true},
+	{"processed_at", TIMESTAMPTZOID, true, false},
+	{"expires_at", TIMESTAMPTZOID, true, false},
 };
+
+static const char *const no_checks[] = {NULL};
 
 static const ExpectedColumn outbox_columns[Natts_outbox] = {
-	{"id", INT8OID},
-	{"topic", TEXTOID},
-	{"key", TEXTOID},
-	{"payload", JSONBOID},
-	{"headers", JSONBOID},
-	{"created_at", TIMESTAMPTZOID},
-	{"state", TEXTOID},
-	{"attempts", INT4OID},
-	{"available_at", TIMESTAMPTZOID},
-	{"last_error", TEXTOID},
-	{"published_at", TIMESTAMPTZOID},
+	{"id", INT8OID, true, false},
+	{"topic", TEXTOID, true, true},
+	{"key", TEXTOID, false, true},
+	{"payload", JSONBOID, true, false},
+	{"headers", JSONBOID, false, false},
+	{"created_at", TIMESTAMPTZOID, true, false},
+	{"state", TEXTOID, true, false},
+	{"attempts", INT4OID, true, false},
+	{"available_at", TIMESTAMPTZOID, true, false},
+	{"last_error", TEXTOID, false, false},
+	{"published_at", TIMESTAMPTZOID, false, false},
 };
 
+static const char *const outbox_checks[] = {"outbox_state_check", NULL};
+
 /* the outbox's primary key is (topic, id), so that it leads with the topic */
+static const AttrNumber topic_and_id[] = {Anum_outbox_topic, Anum_outbox_id};
 static const Oid topic_and_id_eq[] = {F_TEXTEQ, F_INT8EQ};
 
 static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
-	[IDEM_TABLE_KEYS] = {"keys", Natts_keys, keys_columns, 2, two_text_columns_eq,
-	Anum_keys_expires_at},
-	[IDEM_TABLE_EVENTS] = {"processed_events", Natts_events, events_columns, 2, two_text_columns_eq,
-	Anum_events_expires_at},
+	[IDEM_TABLE_KEYS] = {"keys", Natts_keys, keys_columns,
+	2, first_two_columns, two_text_columns_eq, keys_checks, Anum_keys_expires_at},
+	[IDEM_TABLE_EVENTS] = {"processed_events", Natts_events, events_columns,
+	2, first_two_columns, two_text_columns_eq, no_checks, Anum_events_expires_at},
 	/* only enqueued here; the rest of the outbox's life is SQL (outbox.c) */
-	[IDEM_TABLE_OUTBOX] = {"outbox", Natts_outbox, outbox_columns, 2, topic_and_id_eq,
-	InvalidAttrNumber},
+	[IDEM_TABLE_OUTBOX] = {"outbox", Natts_outbox, outbox_columns,
+	2, topic_and_id, topic_and_id_eq, outbox_checks, InvalidAttrNumber},
 };
 
 #define OUTBOX_SEQUENCE "outbox_id_seq"
@@ -169,29 +162,6 @@ forget_cached_table(Datum arg, Oid relid)
 			cached_relid[i] = InvalidOid;
 }
 
-/* Refuse a table whose columns are not the ones the C code was built for. */
-static void
-check_table_shape(Relation heap, const ExpectedTable *def)
-{
-	TupleDesc	desc = RelationGetDescr(heap);
-	bool		ok = desc->natts == def->ncolumns;
-
-	for (int i = 0; ok && i < def->ncolumns; i++)
-	{
-		Form_pg_attribute attr = TupleDescAttr(desc, i);
-
-		ok = !attr->attisdropped &&
-			attr->atttypid == def->columns[i].type &&
-			strcmp(NameStr(attr->attname), def->columns[i].name) == 0;
-	}
-	if (!ok)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("table \"%s.%s\" does not have the columns this version of idempotency expects",
-						IDEM_SCHEMA, def->name),
-				 errhint("Do not alter the extension's tables; reinstall the extension with DROP EXTENSION and CREATE EXTENSION.")));
-}
-
 /*
  * Open one of our tables, locked until the end of the transaction.
  *
@@ -231,7 +201,7 @@ open_table(IdemTable table, LOCKMODE lockmode)
 				 errmsg("table \"%s.%s\" does not exist", IDEM_SCHEMA, def->name),
 				 errhint("Run CREATE EXTENSION idempotency in this database.")));
 	heap = table_open(relid, NoLock);
-	check_table_shape(heap, def);
+	idem_check_table(heap, def);
 	cached_relid[table] = relid;
 	return heap;
 }
@@ -258,23 +228,12 @@ idem_tables_owner(void)
 void
 idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode)
 {
-	Oid			pkeyid;
-
 	memset(rel, 0, sizeof(IdemRelation));
 	rel->table = table;
 	rel->lockmode = lockmode;
 	rel->heap = open_table(table, lockmode);
-
-	if (!rel->heap->rd_indexvalid)
-		list_free(RelationGetIndexList(rel->heap));	/* fills in rd_pkindex */
-	pkeyid = rel->heap->rd_pkindex;
-	if (!OidIsValid(pkeyid))
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("table \"%s.%s\" has no primary key",
-						IDEM_SCHEMA, table_defs[table].name),
-				 errhint("Reinstall the extension with DROP EXTENSION and CREATE EXTENSION.")));
-	rel->pkey = index_open(pkeyid, lockmode);
+	/* idem_check_table made sure there is one, and the one expected */
+	rel->pkey = index_open(rel->heap->rd_pkindex, lockmode);
 }
 
 /*
@@ -643,6 +602,8 @@ idem_update(IdemRelation *rel, ItemPointer tid, Datum *values, bool *nulls,
 	CompatUpdateIndexes update_indexes;
 	TM_Result	result;
 
+	/* as the executor would: a published table must be able to log it */
+	CheckCmdReplicaIdentity(rel->heap, CMD_UPDATE);
 	result = table_tuple_update(rel->heap, tid, slot, GetCurrentCommandId(true),
 								InvalidSnapshot, InvalidSnapshot, wait,
 								&tmfd, &lockmode, &update_indexes);
@@ -665,6 +626,7 @@ idem_delete(IdemRelation *rel, ItemPointer tid, bool wait)
 	TM_FailureData tmfd;
 	TM_Result	result;
 
+	CheckCmdReplicaIdentity(rel->heap, CMD_DELETE);
 	result = table_tuple_delete(rel->heap, tid, GetCurrentCommandId(true),
 								InvalidSnapshot, InvalidSnapshot, wait,
 								&tmfd, false);
@@ -717,6 +679,7 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 		nblocks = start + IDEM_PURGE_MAX_BLOCKS;
 	}
 
+	CheckCmdReplicaIdentity(heap, CMD_DELETE);
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());
 	/* no synchronized scan: the walk must start where the last batch ended */
 	scan = table_beginscan_strat(heap, snapshot, 0, NULL, true, false);

@@ -1,0 +1,391 @@
+/*-------------------------------------------------------------------------
+ *
+ * table_check.c
+ *	  The check that an extension table is still what the direct path was
+ *	  built for.
+ *
+ * The functions read and write keys, processed_events and outbox without
+ * the executor (tables.c).  That is safe only as long as the table is the
+ * one the script created: the same columns with the same nullability and
+ * collations, the same primary key, and nothing attached to it that the
+ * executor would have honoured and the direct path skips — a CHECK or
+ * NOT NULL of the operator's, a foreign key, a trigger, a rule, row-level
+ * security, inheritance, partitioning, another table access method, or
+ * distribution by Citus.  A superuser can add any of these; the utility
+ * hook (guard.c) refuses the DDL on servers that preload the library, and
+ * this check refuses the table itself everywhere, with what is wrong and
+ * how to undo it.
+ *
+ * What the direct path can honour cheaply, it honours instead: indexes of
+ * the operator's own (non-unique, on columns; tables.c maintains them), and
+ * the replica identity, which tables.c checks before each update or delete
+ * with the executor's own CheckCmdReplicaIdentity.
+ *
+ * The check runs when a backend first opens the table, and again after any
+ * relcache invalidation of it (tables.c forgets the table's OID then):
+ * every DDL this looks at invalidates the table's relcache entry, so the
+ * hot path pays nothing.
+ *
+ * May call: the catalogs, through the relcache and syscache.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/genam.h"
+#include "access/htup_details.h"
+#include "access/table.h"
+#include "catalog/indexing.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_am.h"
+#include "catalog/pg_collation.h"
+#include "catalog/pg_constraint.h"
+#include "catalog/pg_inherits.h"
+#include "catalog/pg_namespace.h"
+#include "catalog/pg_trigger.h"
+#include "catalog/partition.h"
+#include "commands/defrem.h"
+#include "rewrite/prs2lock.h"
+#include "utils/builtins.h"
+#include "utils/fmgroids.h"
+#include "utils/lsyscache.h"
+#include "utils/rel.h"
+
+#include "table_check.h"
+
+#define IDEM_SCHEMA "idempotency"
+
+/* Refuse the table: what is wrong with it, and how to undo that. */
+static void
+refuse(const ExpectedTable *def, int sqlstate, const char *detail,
+	   const char *hint)
+{
+	ereport(ERROR,
+			(errcode(sqlstate),
+			 errmsg("idempotency does not support this change to table \"%s.%s\"",
+					IDEM_SCHEMA, def->name),
+			 errdetail_internal("%s", detail),
+			 errhint("%s", hint)));
+}
+
+#define REFUSE(def, detail, hint) \
+	refuse((def), ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE, (detail), (hint))
+
+/* ... where one statement undoes it */
+#define REFUSE_UNDO(def, detail, statement) \
+	REFUSE((def), (detail), psprintf("Undo it with %s.", (statement)))
+
+/* The collation a column of that kind must have. */
+static Oid
+expected_collation(const ExpectedColumn *column)
+{
+	if (column->c_collated)
+		return C_COLLATION_OID;
+	return get_typcollation(column->type);
+}
+
+/* Its columns: names, types, nullability, collation; nothing computed. */
+static void
+check_columns(Relation heap, const ExpectedTable *def, const char *qualified)
+{
+	TupleDesc	desc = RelationGetDescr(heap);
+
+	for (int i = 0; i < Max(desc->natts, def->ncolumns); i++)
+	{
+		Form_pg_attribute attr = i < desc->natts ? TupleDescAttr(desc, i) : NULL;
+		const ExpectedColumn *column = i < def->ncolumns ? &def->columns[i] : NULL;
+		const char *name;
+
+		if (attr == NULL || column == NULL || attr->attisdropped ||
+			attr->atttypid != column->type ||
+			strcmp(NameStr(attr->attname), column->name) != 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("table \"%s\" does not have the columns this version of idempotency expects",
+							qualified),
+					 column != NULL ?
+					 errdetail("Column %d should be \"%s\" of type %s.", i + 1,
+							   column->name, format_type_be(column->type)) :
+					 errdetail("It has more than %d columns.", def->ncolumns),
+					 errhint("Do not alter the extension's tables; reinstall the extension with DROP EXTENSION and CREATE EXTENSION.")));
+
+		name = column->name;
+		if (attr->attnotnull != column->not_null)
+			REFUSE_UNDO(def,
+				   psprintf(attr->attnotnull ?
+							"Column \"%s\" was made NOT NULL, which the extension would not enforce." :
+							"Column \"%s\" is no longer NOT NULL.", name),
+				   psprintf("ALTER TABLE %s ALTER %s %s NOT NULL", qualified, name,
+							attr->attnotnull ? "DROP" : "SET"));
+		if (attr->attcollation != expected_collation(column))
+			REFUSE_UNDO(def,
+				   psprintf("Column \"%s\" has collation \"%s\", not \"%s\".", name,
+							get_collation_name(attr->attcollation),
+							get_collation_name(expected_collation(column))),
+				   psprintf("ALTER TABLE %s ALTER %s TYPE %s COLLATE \"%s\"",
+							qualified, name, format_type_be(column->type),
+							get_collation_name(expected_collation(column))));
+		if (attr->attidentity != '\0')
+			REFUSE_UNDO(def, psprintf("Column \"%s\" is an identity column.", name),
+				   psprintf("ALTER TABLE %s ALTER %s DROP IDENTITY", qualified, name));
+		if (attr->attgenerated != '\0')
+			REFUSE_UNDO(def, psprintf("Column \"%s\" is a generated column.", name),
+				   psprintf("ALTER TABLE %s ALTER %s DROP EXPRESSION", qualified, name));
+	}
+}
+
+/*
+ * Its primary key: a btree on exactly the expected columns, in that order,
+ * with the default operator classes and the columns' collations, nothing
+ * included, checked immediately.  The probes build their scan keys from
+ * that, and a speculative insertion relies on it being the one arbiter.
+ */
+static void
+check_primary_key(Relation heap, const ExpectedTable *def, const char *qualified)
+{
+	Oid			pkeyid;
+	Relation	index;
+	bool		ok;
+
+	if (!heap->rd_indexvalid)
+		list_free(RelationGetIndexList(heap));	/* fills in rd_pkindex */
+	pkeyid = heap->rd_pkindex;
+	if (!OidIsValid(pkeyid))
+		REFUSE(def, "It has no primary key.",
+			   "Reinstall the extension with DROP EXTENSION and CREATE EXTENSION.");
+
+	index = index_open(pkeyid, AccessShareLock);
+	ok = index->rd_rel->relam == BTREE_AM_OID &&
+		index->rd_index->indnatts == def->npkey &&
+		index->rd_index->indnkeyatts == def->npkey &&
+		index->rd_index->indimmediate &&
+		RelationGetIndexExpressions(index) == NIL &&
+		RelationGetIndexPredicate(index) == NIL;
+	for (int i = 0; ok && i < def->npkey; i++)
+	{
+		const ExpectedColumn *column = &def->columns[def->pkey_columns[i] - 1];
+		Oid			opclass = GetDefaultOpClass(column->type, BTREE_AM_OID);
+
+		ok = index->rd_index->indkey.values[i] == def->pkey_columns[i] &&
+			index->rd_indcollation[i] == expected_collation(column) &&
+			OidIsValid(opclass) &&
+			index->rd_opfamily[i] == get_opclass_family(opclass);
+	}
+	if (!ok)
+	{
+		StringInfoData columns;
+
+		initStringInfo(&columns);
+		for (int i = 0; i < def->npkey; i++)
+			appendStringInfo(&columns, "%s%s", i > 0 ? ", " : "",
+							 def->columns[def->pkey_columns[i] - 1].name);
+		REFUSE_UNDO(def,
+			   psprintf("Its primary key \"%s\" is not PRIMARY KEY (%s) with the default operator classes.",
+						RelationGetRelationName(index), columns.data),
+			   psprintf("ALTER TABLE %s DROP CONSTRAINT %s, ADD PRIMARY KEY (%s)",
+						qualified, quote_identifier(RelationGetRelationName(index)),
+						columns.data));
+	}
+	index_close(index, AccessShareLock);
+}
+
+/*
+ * Its constraints: its own CHECKs, its NOT NULLs (PostgreSQL 18 keeps them
+ * in pg_constraint too; check_columns compared them) and its primary key;
+ * no other CHECK, no foreign key, unique or exclusion constraint, and no
+ * constraint trigger.
+ */
+static void
+check_constraints(Relation heap, const ExpectedTable *def, const char *qualified)
+{
+	Relation	catalog;
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tuple;
+	int			nchecks = 0;
+
+	catalog = table_open(ConstraintRelationId, AccessShareLock);
+	ScanKeyInit(&key, Anum_pg_constraint_conrelid, BTEqualStrategyNumber,
+				F_OIDEQ, ObjectIdGetDatum(RelationGetRelid(heap)));
+	scan = systable_beginscan(catalog, ConstraintRelidTypidNameIndexId, true,
+							  NULL, 1, &key);
+	while (HeapTupleIsValid(tuple = systable_getnext(scan)))
+	{
+		Form_pg_constraint con = (Form_pg_constraint) GETSTRUCT(tuple);
+		const char *name = NameStr(con->conname);
+		bool		ours = false;
+
+		switch (con->contype)
+		{
+			case CONSTRAINT_PRIMARY:
+				ours = con->conindid == heap->rd_pkindex;
+				break;
+			case CONSTRAINT_CHECK:
+				for (const char *const *check = def->checks; *check != NULL; check++)
+					ours |= strcmp(name, *check) == 0;
+				nchecks += ours;
+				break;
+			default:
+				/* NOT NULL (18), which check_columns compared */
+				ours = con->contype == 'n';
+				break;
+		}
+		if (!ours)
+			REFUSE_UNDO(def,
+				   psprintf(con->contype == CONSTRAINT_FOREIGN ?
+							"It has foreign key constraint \"%s\", which the extension would not enforce." :
+							"It has constraint \"%s\", which the extension would not enforce.",
+							name),
+				   psprintf("ALTER TABLE %s DROP CONSTRAINT %s", qualified,
+							quote_identifier(name)));
+	}
+	systable_endscan(scan);
+	table_close(catalog, AccessShareLock);
+
+	for (const char *const *check = def->checks; *check != NULL; check++)
+		nchecks--;
+	if (nchecks != 0)
+		REFUSE(def, "One of its CHECK constraints was dropped.",
+			   "Reinstall the extension with DROP EXTENSION and CREATE EXTENSION.");
+}
+
+/*
+ * Its triggers: none.  Rows written by the direct path would not fire
+ * them; a foreign key that references the table works by triggers on it,
+ * so this also finds those.
+ */
+static void
+check_triggers(Relation heap, const ExpectedTable *def, const char *qualified)
+{
+	Trigger    *trigger;
+
+	if (heap->trigdesc == NULL || heap->trigdesc->numtriggers == 0)
+		return;
+
+	trigger = &heap->trigdesc->triggers[0];
+	if (OidIsValid(trigger->tgconstraint) && OidIsValid(trigger->tgconstrrelid))
+	{
+		char	   *constraint = get_constraint_name(trigger->tgconstraint);
+		char	   *other = get_rel_name(trigger->tgconstrrelid);
+		Oid			other_schema = get_rel_namespace(trigger->tgconstrrelid);
+
+		REFUSE_UNDO(def,
+			   psprintf("Foreign key constraint \"%s\" of table \"%s\" references it, which the extension would not enforce.",
+						constraint, other),
+			   psprintf("ALTER TABLE %s DROP CONSTRAINT %s",
+						quote_qualified_identifier(get_namespace_name(other_schema), other),
+						quote_identifier(constraint)));
+	}
+	REFUSE_UNDO(def,
+		   psprintf("It has trigger \"%s\", which the extension's writes would not fire.",
+					trigger->tgname),
+		   psprintf("DROP TRIGGER %s ON %s", quote_identifier(trigger->tgname), qualified));
+}
+
+/* The first parent of a table in an inheritance tree, or InvalidOid. */
+static Oid
+inheritance_parent(Oid relid)
+{
+	Relation	catalog;
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tuple;
+	Oid			parent = InvalidOid;
+
+	catalog = table_open(InheritsRelationId, AccessShareLock);
+	ScanKeyInit(&key, Anum_pg_inherits_inhrelid, BTEqualStrategyNumber,
+				F_OIDEQ, ObjectIdGetDatum(relid));
+	scan = systable_beginscan(catalog, InheritsRelidSeqnoIndexId, true, NULL, 1, &key);
+	if (HeapTupleIsValid(tuple = systable_getnext(scan)))
+		parent = ((Form_pg_inherits) GETSTRUCT(tuple))->inhparent;
+	systable_endscan(scan);
+	table_close(catalog, AccessShareLock);
+	return parent;
+}
+
+static char *
+qualified_name(Oid relid)
+{
+	return quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
+									  get_rel_name(relid));
+}
+
+/*
+ * Whether Citus has distributed the table: its rows are then in shards,
+ * and the table here is an empty shell.  Citus keeps the distributed
+ * tables in pg_catalog.pg_dist_partition, keyed by logicalrelid.
+ */
+static bool
+distributed_by_citus(Oid relid)
+{
+	Oid			catalog_id = get_relname_relid("pg_dist_partition", PG_CATALOG_NAMESPACE);
+	Relation	catalog;
+	ScanKeyData key;
+	SysScanDesc scan;
+	bool		found;
+
+	if (!OidIsValid(catalog_id))
+		return false;
+	catalog = table_open(catalog_id, AccessShareLock);
+	ScanKeyInit(&key, 1, BTEqualStrategyNumber, F_OIDEQ, ObjectIdGetDatum(relid));
+	scan = systable_beginscan(catalog, InvalidOid, false, NULL, 1, &key);
+	found = HeapTupleIsValid(systable_getnext(scan));
+	systable_endscan(scan);
+	table_close(catalog, AccessShareLock);
+	return found;
+}
+
+/*
+ * Refuse the table, with an ERROR saying what is wrong and how to undo it,
+ * unless it is exactly what the direct path was built for (see the top of
+ * this file).
+ */
+void
+idem_check_table(Relation heap, const ExpectedTable *def)
+{
+	Oid			relid = RelationGetRelid(heap);
+	char	   *qualified = psprintf("%s.%s", IDEM_SCHEMA, def->name);
+	Oid			other;
+	List	   *children;
+
+	check_columns(heap, def, qualified);
+
+	if (heap->rd_rel->relkind != RELKIND_RELATION)
+		REFUSE(def, "It is not a plain table.",
+			   "Reinstall the extension with DROP EXTENSION and CREATE EXTENSION.");
+	if (heap->rd_rel->relispartition)
+		REFUSE_UNDO(def, "It is a partition of another table.",
+			   psprintf("ALTER TABLE %s DETACH PARTITION %s",
+						qualified_name(get_partition_parent(relid, false)), qualified));
+	if (heap->rd_rel->relam != HEAP_TABLE_AM_OID)
+		REFUSE_UNDO(def, psprintf("It uses table access method \"%s\".",
+							 get_am_name(heap->rd_rel->relam)),
+			   psprintf("ALTER TABLE %s SET ACCESS METHOD heap", qualified));
+
+	check_primary_key(heap, def, qualified);
+	check_constraints(heap, def, qualified);
+	check_triggers(heap, def, qualified);
+
+	if (heap->rd_rules != NULL && heap->rd_rules->numLocks > 0)
+		REFUSE(def, "It has rules, which the extension's writes would not apply.",
+			   psprintf("Drop them with DROP RULE ... ON %s (pg_rules lists them).", qualified));
+	if (heap->rd_rel->relrowsecurity)
+		REFUSE_UNDO(def, "Row-level security is enabled on it, which the extension would bypass.",
+			   psprintf("ALTER TABLE %s DISABLE ROW LEVEL SECURITY", qualified));
+
+	other = inheritance_parent(relid);
+	if (OidIsValid(other))
+		REFUSE_UNDO(def, psprintf("It inherits from table %s.", qualified_name(other)),
+			   psprintf("ALTER TABLE %s NO INHERIT %s", qualified, qualified_name(other)));
+	children = find_inheritance_children(relid, NoLock);
+	if (children != NIL)
+		REFUSE_UNDO(def, psprintf("Table %s inherits from it.", qualified_name(linitial_oid(children))),
+			   psprintf("ALTER TABLE %s NO INHERIT %s", qualified_name(linitial_oid(children)),
+						qualified));
+
+	if (distributed_by_citus(relid))
+		refuse(def, ERRCODE_FEATURE_NOT_SUPPORTED,
+			   "It is distributed by Citus: its rows are in shards, and this version of idempotency reads and writes the table on the node it runs on.",
+			   psprintf("Keep the extension's tables local: undo it with SELECT undistribute_table('%s').",
+						qualified));
+}
