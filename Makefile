@@ -5,8 +5,9 @@
 #   make demo   a tour of the extension on a throwaway cluster
 #   make bench  the benchmarks, side by side with plain SQL (not a test)
 #
-# Both are scripts under scripts/; the rest of this file is a plain PGXS
-# build.  PG_CONFIG picks the server version (default: PostgreSQL 15).
+# All are scripts under scripts/; the rest of this file is a plain PGXS
+# build.  PG_CONFIG picks the server version (default: the newest installed
+# under /usr/lib/postgresql, else the pg_config on the PATH).
 
 EXTENSION = idempotency
 MODULE_big = idempotency
@@ -51,14 +52,14 @@ TAP_TESTS = 1
 # clusters of its own (skip it with "make installcheck TAP_TESTS=").  The
 # check-* targets below run each suite against a temporary instance instead.
 
-PG_CONFIG ?= $(firstword $(wildcard /usr/lib/postgresql/15/bin/pg_config) pg_config)
+PG_CONFIG ?= $(or $(shell ls -d /usr/lib/postgresql/*/bin/pg_config 2>/dev/null | sort -V | tail -n 1),pg_config)
 PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
 
 ifneq ($(PGXS),)
 include $(PGXS)
 else
 all:
-	@echo "PostgreSQL's server development files are missing: run 'make test' (as root, it installs them) or install postgresql-server-dev-15." >&2
+	@echo "PostgreSQL's server development files are missing: run 'make test' (as root, it installs them) or install postgresql-server-dev-NN." >&2
 	@exit 1
 endif
 
@@ -68,14 +69,19 @@ $(OBJS): $(wildcard src/*.h)
 
 .PHONY: test demo bench check-regress check-isolation check-tap check-examples check-installcheck
 
+# The scripts pick the server version themselves (scripts/common.sh): a
+# PG_CONFIG or PG_MAJOR given on make's command line or in the environment
+# reaches them as it is (make exports both), and without either they take
+# the newest installed or, on a fresh system, this Debian release's default
+# server, which they install.
 test:
-	PG_CONFIG=$(PG_CONFIG) scripts/test.sh
+	scripts/test.sh
 
 demo:
-	PG_CONFIG=$(PG_CONFIG) scripts/demo.sh
+	scripts/demo.sh
 
 bench:
-	PG_CONFIG=$(PG_CONFIG) scripts/bench.sh
+	scripts/bench.sh
 
 # The three suites one by one, against the installed extension; scripts/test.sh
 # runs all of them and reports each.

@@ -10,8 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/deps.sh
 . scripts/common.sh
+scripts/deps.sh
+use_server
 
 echo "== building and installing the extension"
 build_and_install

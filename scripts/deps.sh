@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 #
-# Install what building, testing and the demo need, when it is missing.
-# As root, missing Debian packages are installed with apt-get; otherwise the
-# script says what to install and fails.
+# Install what building, testing and the demo need, when it is missing, for
+# the server version that scripts/common.sh picks (PG_MAJOR, PG_CONFIG, or
+# what is installed, or this Debian release's default).  As root, missing
+# Debian packages are installed with apt-get; otherwise the script says what
+# to install and fails.
 #
 set -euo pipefail
+. "$(dirname "$0")/common.sh"
 
-PG_MAJOR=${PG_MAJOR:-15}
 pgbin=/usr/lib/postgresql/$PG_MAJOR/bin
 missing=()
 

@@ -16,13 +16,15 @@
 # subset, e.g. SUITES="regress isolation" make test; KEEP_WORKDIR=1 keeps
 # the tree the suites ran in, with their results, for a look afterwards.
 # SUITES may also name "regress" and "isolation": the same two suites, each
-# on a temporary instance of pg_regress's own.
+# on a temporary instance of pg_regress's own.  The server version is
+# scripts/common.sh's pick: PG_MAJOR=NN or PG_CONFIG=… choose another.
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/deps.sh || exit 1
 . scripts/common.sh
+scripts/deps.sh || exit 1
+use_server
 
 echo "== build and install (PostgreSQL $("$PG_CONFIG" --version | awk '{print $2}'))"
 build_and_install || exit 1

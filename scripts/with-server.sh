@@ -18,8 +18,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
-PGBIN=$("$PG_CONFIG" --bindir)
+. scripts/common.sh
+use_server
 dir=$PWD/tmp_check_server
 rm -rf "$dir"
 mkdir -p "$dir"
