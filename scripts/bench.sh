@@ -4,10 +4,23 @@
 # run bench/run.py (a throwaway cluster; about 12 minutes).  Not part of
 # make test: timing is never a test.
 #
+# run.py starts psql and pgbench as the runner (the "postgres" OS user when
+# run as root) with the SQL files under bench/, and that user may not be
+# able to read the checkout (one under /root), so it runs from a copy of
+# bench/ that the runner owns, removed at the end.
+#
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/deps.sh
 . scripts/common.sh
+scripts/deps.sh
+use_server
 build_and_install
-exec python3 bench/run.py
+
+copy=$(runner_tmpdir bench)
+trap 'rm -rf "$copy"' EXIT
+trap 'exit 1' INT TERM HUP
+cp -R bench "$copy/"
+[ "$(id -u)" -eq 0 ] && chown -R "$RUN_AS" "$copy"
+cd "$copy"
+python3 bench/run.py

@@ -14,7 +14,9 @@
 #
 # initdb refuses to run as root, so when invoked as root the servers run as
 # the unprivileged "postgres" OS user (created by Debian's postgresql-common),
-# in a directory that user can write.
+# in a directory that user can write.  The runner's commands start from /:
+# runuser keeps the working directory, and a checkout under /root is one
+# that user cannot enter.
 
 pg_major_of_debian() {
 	local major
@@ -57,7 +59,7 @@ export PG_MAJOR PG_CONFIG
 
 if [ "$(id -u)" -eq 0 ]; then
 	RUN_AS=postgres
-	as_runner() { runuser -u "$RUN_AS" -- "$@"; }
+	as_runner() { (cd / && runuser -u "$RUN_AS" -- "$@"); }
 else
 	RUN_AS=$(id -un)
 	as_runner() { "$@"; }
