@@ -345,6 +345,7 @@ static MemoryContext routes_context = NULL;
 void
 outbox_sql_begin(OutboxSqlContext *context)
 {
+	idem_table_verify(IDEM_TABLE_OUTBOX);
 	GetUserIdAndSecContext(&context->saved_userid, &context->saved_sec_context);
 	SetUserIdAndSecContext(idem_tables_owner(),
 						   context->saved_sec_context | SECURITY_LOCAL_USERID_CHANGE);
@@ -938,6 +939,12 @@ call_route_function(const char *signature, Oid run_as, Datum event)
 static void
 publish_one(const Candidate *candidate)
 {
+	/* idem_outbox_route never stores one, but the table's CHECK allows it */
+	if (candidate->destination == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("the %s route of the row's topic has no destination", candidate->target),
+				 errhint("Set the route again with idem_outbox_route.")));
 	if (strcmp(candidate->target, "notify") == 0)
 		Async_Notify(candidate->destination,
 					 strlen(candidate->message) <= NOTIFY_PAYLOAD_LIMIT ?

@@ -143,22 +143,30 @@ check_columns(Relation heap, const ExpectedTable *def, const char *qualified)
 static void
 check_primary_key(Relation heap, const ExpectedTable *def, const char *qualified)
 {
-	Oid			pkeyid;
+	StringInfoData columns;
+	char	   *restore;
 	Relation	index;
 	bool		ok;
 
-	if (!heap->rd_indexvalid)
-		list_free(RelationGetIndexList(heap));	/* fills in rd_pkindex */
-	pkeyid = heap->rd_pkindex;
-	if (!OidIsValid(pkeyid))
-		REFUSE(def, "It has no primary key.",
-			   "Reinstall the extension with DROP EXTENSION and CREATE EXTENSION.");
+	initStringInfo(&columns);
+	for (int i = 0; i < def->npkey; i++)
+		appendStringInfo(&columns, "%s%s", i > 0 ? ", " : "",
+						 def->columns[def->pkey_columns[i] - 1].name);
 
-	index = index_open(pkeyid, AccessShareLock);
+	/* the relcache's rd_pkindex: a primary key checked immediately */
+	if (!heap->rd_indexvalid)
+		list_free(RelationGetIndexList(heap));
+	if (!OidIsValid(heap->rd_pkindex))
+	{
+		restore = psprintf("ALTER TABLE %s DROP CONSTRAINT IF EXISTS %s_pkey, ADD PRIMARY KEY (%s)",
+						   qualified, def->name, columns.data);
+		REFUSE_UNDO(def, "It has no primary key, or a deferrable one.", restore);
+	}
+
+	index = index_open(heap->rd_pkindex, AccessShareLock);
 	ok = index->rd_rel->relam == BTREE_AM_OID &&
 		index->rd_index->indnatts == def->npkey &&
 		index->rd_index->indnkeyatts == def->npkey &&
-		index->rd_index->indimmediate &&
 		RelationGetIndexExpressions(index) == NIL &&
 		RelationGetIndexPredicate(index) == NIL;
 	for (int i = 0; ok && i < def->npkey; i++)
@@ -173,18 +181,13 @@ check_primary_key(Relation heap, const ExpectedTable *def, const char *qualified
 	}
 	if (!ok)
 	{
-		StringInfoData columns;
-
-		initStringInfo(&columns);
-		for (int i = 0; i < def->npkey; i++)
-			appendStringInfo(&columns, "%s%s", i > 0 ? ", " : "",
-							 def->columns[def->pkey_columns[i] - 1].name);
+		restore = psprintf("ALTER TABLE %s DROP CONSTRAINT %s, ADD PRIMARY KEY (%s)",
+						   qualified, quote_identifier(RelationGetRelationName(index)),
+						   columns.data);
 		REFUSE_UNDO(def,
-			   psprintf("Its primary key \"%s\" is not PRIMARY KEY (%s) with the default operator classes.",
-						RelationGetRelationName(index), columns.data),
-			   psprintf("ALTER TABLE %s DROP CONSTRAINT %s, ADD PRIMARY KEY (%s)",
-						qualified, quote_identifier(RelationGetRelationName(index)),
-						columns.data));
+					psprintf("Its primary key \"%s\" is not PRIMARY KEY (%s) with the default operator classes.",
+							 RelationGetRelationName(index), columns.data),
+					restore);
 	}
 	index_close(index, AccessShareLock);
 }

@@ -207,6 +207,17 @@ open_table(IdemTable table, LOCKMODE lockmode)
 }
 
 /*
+ * Check one of our tables before SQL of ours runs on it (outbox.c): those
+ * statements return rows of the table's type to callers built for the
+ * columns idem_check_table guarantees.
+ */
+void
+idem_table_verify(IdemTable table)
+{
+	table_close(open_table(table, AccessShareLock), NoLock);
+}
+
+/*
  * The role that owns the extension's tables: the one that ran CREATE
  * EXTENSION.  The outbox's SQL runs as this role (see outbox.c).
  */

@@ -117,6 +117,7 @@ typedef struct ProbeResult
 } ProbeResult;
 
 extern Oid	idem_tables_owner(void);
+extern void idem_table_verify(IdemTable table);
 extern void idem_relation_open(IdemRelation *rel, IdemTable table,
 							   LOCKMODE lockmode);
 extern void idem_relation_close(IdemRelation *rel);
