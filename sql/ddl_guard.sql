@@ -53,8 +53,7 @@ SELECT ddl, pg_temp.outcome(ddl) FROM (VALUES
 	('ALTER TABLE idempotency.keys SET ACCESS METHOD heap'),
 	('ALTER TABLE idempotency.keys DISABLE TRIGGER ALL'),
 	('ALTER FUNCTION idempotency.idem_claim(text, text, text, interval, interval) PARALLEL SAFE'),
-	('ALTER FUNCTION idempotency.idem_complete(text, text, integer, text, jsonb, integer) SECURITY DEFINER'),
-	('ALTER FUNCTION idempotency.idem_release(text, text, integer) STRICT')
+	('ALTER FUNCTION idempotency.idem_complete(text, text, integer, text, jsonb, integer) SECURITY DEFINER')
 ) AS refused(ddl);
 SELECT count(*) AS constraints_left_behind FROM pg_constraint
 WHERE conrelid IN ('idempotency.keys'::regclass, 'other'::regclass)
@@ -97,7 +96,7 @@ SET enable_bitmapscan = off;
 EXPLAIN (COSTS OFF) SELECT event_id FROM idempotency.processed_events WHERE event_id = 'evt-1';
 SELECT event_id FROM idempotency.processed_events WHERE event_id = 'evt-1';
 SELECT outcome FROM idem_claim('guard', 'in-progress');
-SELECT key FROM idempotency.keys WHERE status_code IS NULL AND created_at <= now() AND key = 'in-progress';
+SELECT key FROM idempotency.keys WHERE status_code IS NULL AND created_at <= now() AND scope = 'guard';
 RESET enable_seqscan;
 RESET enable_bitmapscan;
 

@@ -180,7 +180,9 @@ check_alter_table(AlterTableStmt *stmt)
 
 /*
  * ALTER FUNCTION on one of the extension's functions: only its cost, rows
- * estimate and settings.  Made PARALLEL SAFE, STRICT, SECURITY DEFINER,
+ * estimate, settings and strictness (a STRICT function is not called with
+ * a NULL argument: the executor answers NULL, and idem_claim's direct scan
+ * steps aside, see claim_scan.c).  Made PARALLEL SAFE, SECURITY DEFINER,
  * LEAKPROOF or of another volatility, a function would be called where its
  * code cannot run, or run with rights it must not have.
  */
@@ -200,13 +202,14 @@ check_alter_function(AlterFunctionStmt *stmt)
 
 		if (strcmp(action->defname, "cost") != 0 &&
 			strcmp(action->defname, "rows") != 0 &&
+			strcmp(action->defname, "strict") != 0 &&
 			strcmp(action->defname, "set") != 0)
 			ereport(ERROR,
 					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 					 errmsg("idempotency does not support changing %s of function %s",
 							asc_toupper(action->defname, strlen(action->defname)),
 							get_func_name(function)),
-					 errhint("Only the cost, rows estimate and settings of the extension's functions can be changed.")));
+					 errhint("Only the cost, rows estimate, settings and strictness of the extension's functions can be changed.")));
 	}
 }
 

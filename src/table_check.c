@@ -167,6 +167,7 @@ check_primary_key(Relation heap, const ExpectedTable *def, const char *qualified
 	ok = index->rd_rel->relam == BTREE_AM_OID &&
 		index->rd_index->indnatts == def->npkey &&
 		index->rd_index->indnkeyatts == def->npkey &&
+		index->rd_index->indimmediate &&
 		RelationGetIndexExpressions(index) == NIL &&
 		RelationGetIndexPredicate(index) == NIL;
 	for (int i = 0; ok && i < def->npkey; i++)
@@ -185,7 +186,7 @@ check_primary_key(Relation heap, const ExpectedTable *def, const char *qualified
 						   qualified, quote_identifier(RelationGetRelationName(index)),
 						   columns.data);
 		REFUSE_UNDO(def,
-					psprintf("Its primary key \"%s\" is not PRIMARY KEY (%s) with the default operator classes.",
+					psprintf("Its primary key \"%s\" is not PRIMARY KEY (%s), not deferrable, with the default operator classes.",
 							 RelationGetRelationName(index), columns.data),
 					restore);
 	}
@@ -252,6 +253,13 @@ check_constraints(Relation heap, const ExpectedTable *def, const char *qualified
 			   "Reinstall the extension with DROP EXTENSION and CREATE EXTENSION.");
 }
 
+static char *
+qualified_name(Oid relid)
+{
+	return quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
+									  get_rel_name(relid));
+}
+
 /*
  * Its triggers: none.  Rows written by the direct path would not fire
  * them; a foreign key that references the table works by triggers on it,
@@ -266,23 +274,23 @@ check_triggers(Relation heap, const ExpectedTable *def, const char *qualified)
 		return;
 
 	trigger = &heap->trigdesc->triggers[0];
-	if (OidIsValid(trigger->tgconstraint) && OidIsValid(trigger->tgconstrrelid))
+	if (OidIsValid(trigger->tgconstraint))
 	{
+		/* a constraint's: a foreign key, here or elsewhere, or a deferred check */
 		char	   *constraint = get_constraint_name(trigger->tgconstraint);
-		char	   *other = get_rel_name(trigger->tgconstrrelid);
-		Oid			other_schema = get_rel_namespace(trigger->tgconstrrelid);
+		Oid			owner = OidIsValid(trigger->tgconstrrelid) ?
+			trigger->tgconstrrelid : RelationGetRelid(heap);
 
 		REFUSE_UNDO(def,
-			   psprintf("Foreign key constraint \"%s\" of table \"%s\" references it, which the extension would not enforce.",
-						constraint, other),
-			   psprintf("ALTER TABLE %s DROP CONSTRAINT %s",
-						quote_qualified_identifier(get_namespace_name(other_schema), other),
-						quote_identifier(constraint)));
+					psprintf("Constraint \"%s\" of table %s works by triggers on it, which the extension's writes would not fire.",
+							 constraint, qualified_name(owner)),
+					psprintf("ALTER TABLE %s DROP CONSTRAINT %s", qualified_name(owner),
+							 quote_identifier(constraint)));
 	}
 	REFUSE_UNDO(def,
-		   psprintf("It has trigger \"%s\", which the extension's writes would not fire.",
-					trigger->tgname),
-		   psprintf("DROP TRIGGER %s ON %s", quote_identifier(trigger->tgname), qualified));
+				psprintf("It has trigger \"%s\", which the extension's writes would not fire.",
+						 trigger->tgname),
+				psprintf("DROP TRIGGER %s ON %s", quote_identifier(trigger->tgname), qualified));
 }
 
 /* The first parent of a table in an inheritance tree, or InvalidOid. */
@@ -304,13 +312,6 @@ inheritance_parent(Oid relid)
 	systable_endscan(scan);
 	table_close(catalog, AccessShareLock);
 	return parent;
-}
-
-static char *
-qualified_name(Oid relid)
-{
-	return quote_qualified_identifier(get_namespace_name(get_rel_namespace(relid)),
-									  get_rel_name(relid));
 }
 
 /*

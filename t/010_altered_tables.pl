@@ -89,7 +89,7 @@ refused_until_undone('ALTER TABLE idempotency.keys ALTER scope TYPE text COLLATE
 refused_until_undone(
 	'CREATE TABLE orders (scope text COLLATE "C", key text COLLATE "C", FOREIGN KEY (scope, key) REFERENCES idempotency.keys)',
 	"SELECT idempotency.idem_release('s', 'held')",
-	'Foreign key constraint "orders_scope_key_fkey" of table "orders" references it');
+	'Constraint "orders_scope_key_fkey" of table public.orders works by triggers on it');
 $node->safe_psql('postgres', 'DROP TABLE orders');
 refused_until_undone(q{
 	CREATE TABLE audit (k text);
@@ -121,6 +121,19 @@ refused_until_undone(q{
 	'It is a partition of another table');
 $node->safe_psql('postgres', 'DROP TABLE all_keys');
 
+# Indexes the direct path cannot maintain: refused by name when the first
+# write opens them (0A000).
+for my $index ('CREATE INDEX keys_lower_key ON idempotency.keys (lower(key))',
+	'CREATE UNIQUE INDEX keys_unique_fingerprint ON idempotency.keys (fingerprint)')
+{
+	$node->safe_psql('postgres', $index);
+	my ($ret, $out, $err) = $node->psql('postgres',
+		"\\set VERBOSITY verbose\nSELECT idempotency.idem_claim('s', 'indexed')");
+	like($err, qr/ERROR:  0A000: index "keys_\w+" on table "idempotency.keys" is not supported/,
+		"$index: refused at the first write");
+	$node->safe_psql('postgres', 'DROP INDEX IF EXISTS idempotency.keys_lower_key, idempotency.keys_unique_fingerprint');
+}
+
 # The primary key replaced: an existing key's claim used to spin until
 # statement_timeout, a completion to answer "not claimed".
 $node->safe_psql('postgres', 'SET statement_timeout = 0');
@@ -135,7 +148,7 @@ refused_until_undone(q{
 	ALTER TABLE idempotency.processed_events DROP CONSTRAINT processed_events_pkey,
 		ADD PRIMARY KEY (consumer, event_id) DEFERRABLE},
 	"SELECT idempotency.idem_mark_processed('c', 'x')",
-	'It has no primary key, or a deferrable one');
+	'It has no primary key, or a deferrable one|Its primary key "processed_events_pkey" is not PRIMARY KEY \(consumer, event_id\), not deferrable');
 
 # A dropped column used to crash idem_outbox_fetch (rows without it under a
 # result type with it); it cannot be put back, so this comes last for the
