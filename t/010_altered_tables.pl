@@ -124,14 +124,14 @@ $node->safe_psql('postgres', 'DROP TABLE all_keys');
 # Indexes the direct path cannot maintain: refused by name when the first
 # write opens them (0A000).
 for my $index ('CREATE INDEX keys_lower_key ON idempotency.keys (lower(key))',
-	'CREATE UNIQUE INDEX keys_unique_fingerprint ON idempotency.keys (fingerprint)')
+	'CREATE UNIQUE INDEX keys_unique_attempt ON idempotency.keys (scope, key, attempt)')
 {
 	$node->safe_psql('postgres', $index);
 	my ($ret, $out, $err) = $node->psql('postgres',
 		"\\set VERBOSITY verbose\nSELECT idempotency.idem_claim('s', 'indexed')");
 	like($err, qr/ERROR:  0A000: index "keys_\w+" on table "idempotency.keys" is not supported/,
 		"$index: refused at the first write");
-	$node->safe_psql('postgres', 'DROP INDEX IF EXISTS idempotency.keys_lower_key, idempotency.keys_unique_fingerprint');
+	$node->safe_psql('postgres', 'DROP INDEX IF EXISTS idempotency.keys_lower_key, idempotency.keys_unique_attempt');
 }
 
 # The primary key replaced: an existing key's claim used to spin until
