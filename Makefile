@@ -25,7 +25,7 @@ OBJS = \
 	src/shmem.o \
 	src/maintenance.o \
 	src/worker.o
-DATA = idempotency--1.0.sql
+DATA = idempotency--1.0.sql idempotency--1.0--1.1.sql
 PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 
 # Warnings are errors.  -Wextra's unused-parameter fires on the server's own

@@ -82,3 +82,12 @@ DROP FUNCTION public.takes_text(text);
 DROP PROCEDURE public.a_procedure(idempotency.outbox);
 DELETE FROM outbox_routes;
 DROP FUNCTION public.forward(idempotency.outbox);
+
+-- A route row written directly must name its destination too, unless its
+-- target is none (23514): the worker could not publish it.
+INSERT INTO outbox_routes VALUES ('direct', 'notify', NULL);
+\echo :SQLSTATE
+INSERT INTO outbox_routes VALUES ('direct', 'function', NULL);
+\echo :SQLSTATE
+INSERT INTO outbox_routes VALUES ('direct', 'none', NULL);
+DELETE FROM outbox_routes;
