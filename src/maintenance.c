@@ -43,7 +43,9 @@ maintenance_cursor_init(MaintenanceCursor *cursor)
 	{
 		cursor->next_block[unit] = InvalidBlockNumber;
 		cursor->to_prune[unit][0].span = cursor->to_prune[unit][1].span = 0;
+		cursor->unpruned[unit].span = 0;
 		cursor->purged_in_pass[unit] = 0;
+		cursor->pruned_in_pass[unit] = 0;
 	}
 	cursor->publish_carefully = false;
 	cursor->last_publish_was_fast = false;
@@ -73,7 +75,7 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 	{
 		case UNIT_PURGE_KEYS:
 		case UNIT_PURGE_EVENTS:
-			/* the older pages have been pruned by now, or never will be */
+			/* the older pages are pruned by now, kept for later, or never will be */
 			cursor->to_prune[unit][0] = cursor->to_prune[unit][1];
 			done = idem_purge_expired(purged_table(unit), now, idem_purge_batch_size,
 									  &cursor->next_block[unit],
@@ -116,29 +118,103 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 	return more;
 }
 
+/* How many pages *pages holds. */
+static uint32
+count_pages(const IdemPurgedPages *pages)
+{
+	uint32		count = 0;
+
+	for (uint32 page = 0; page < pages->span; page++)
+		if (pages->deleted_on[page / 64] & (UINT64CONST(1) << (page % 64)))
+			count++;
+	return count;
+}
+
 /*
- * Prune the pages the unit's purge batch before last deleted rows on, and
- * with both, those of its last batch too (see idem_prune_purged), in the
- * current transaction, under a snapshot taken after those batches
- * committed.  The batch in between gave the snapshots older than the first
- * one's commit the time to end; the caller waits for those older than the
- * last one's.  The worker's: idem_run_maintenance's batches commit with the
- * caller's transaction, after it returns, and the vacuum that autovacuum
- * gives a table it purged reclaims the space anyway.
+ * Keep the pages of *pages that idem_prune_purged could not prune yet with
+ * those an earlier prune left, to try again at the next one.  Both must fit
+ * in one IdemPurgedPages' reach (a walk's neighbouring batches do): if not,
+ * the older ones are given up, to the next vacuum.  The kept pages' rows
+ * are gone once the newer of the two batches is old enough.
  */
-void
+static void
+keep_unpruned(MaintenanceUnit unit, IdemPurgedPages *kept,
+			  const IdemPurgedPages *pages)
+{
+	IdemPurgedPages merged;
+	BlockNumber first;
+	BlockNumber end;
+
+	if (pages->span == 0)
+		return;
+	first = Min(kept->first, pages->first);
+	end = Max(kept->first + kept->span, pages->first + pages->span);
+	if (kept->span == 0 || end - first > IDEM_PURGE_MAX_BLOCKS)
+	{
+		if (kept->span > 0)
+			ereport(DEBUG1,
+					(errmsg_internal("%s: gave up pruning %u pages, left to vacuum",
+									 maintenance_unit_names[unit], count_pages(kept))));
+		*kept = *pages;
+		return;
+	}
+
+	memset(&merged, 0, sizeof(merged));
+	merged.first = first;
+	merged.span = end - first;
+	merged.xid = TransactionIdFollows(pages->xid, kept->xid) ? pages->xid : kept->xid;
+	for (int i = 0; i < 2; i++)
+	{
+		const IdemPurgedPages *from = i == 0 ? kept : pages;
+
+		for (uint32 page = 0; page < from->span; page++)
+			if (from->deleted_on[page / 64] & (UINT64CONST(1) << (page % 64)))
+			{
+				uint32		to = from->first + page - first;
+
+				merged.deleted_on[to / 64] |= UINT64CONST(1) << (to % 64);
+			}
+	}
+	*kept = merged;
+}
+
+/*
+ * Prune the pages an earlier prune could not prune yet, then those the
+ * unit's purge batch before last deleted rows on, and with both, those of
+ * its last batch too (see idem_prune_purged), in the current transaction,
+ * under a snapshot taken after those batches committed.  The batch in
+ * between gave the snapshots older than the first one's commit the time to
+ * end; the caller waits for those older than the last one's.  A page that
+ * cannot be pruned yet (a snapshot lasted longer, or another backend had it
+ * pinned) is kept and tried again at the next prune, so that its space does
+ * not wait for a vacuum.  Returns how many pages are kept, and counts those
+ * pruned in cursor->pruned_in_pass.  The worker's:
+ * idem_run_maintenance's batches commit with the caller's transaction,
+ * after it returns, and the vacuum that autovacuum gives a table it purged
+ * reclaims the space anyway.
+ */
+uint32
 maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor, bool both)
 {
+	IdemPurgedPages *kept = &cursor->unpruned[unit];
+	IdemPurgedPages retry = *kept;
+
 	if (unit != UNIT_PURGE_KEYS && unit != UNIT_PURGE_EVENTS)
-		return;
+		return 0;
+
+	/* forgotten first: a failure costs these pages, not every prune after it */
+	kept->span = 0;
+	cursor->pruned_in_pass[unit] += idem_prune_purged(purged_table(unit), &retry);
+	*kept = retry;
 	for (int i = 0; i < (both ? 2 : 1); i++)
 	{
 		IdemPurgedPages purged = cursor->to_prune[unit][i];
 
-		/* forgotten first: a failure costs one batch, not every one after it */
 		cursor->to_prune[unit][i].span = 0;
-		idem_prune_purged(purged_table(unit), &purged);
+		cursor->pruned_in_pass[unit] += idem_prune_purged(purged_table(unit), &purged);
+		keep_unpruned(unit, kept, &purged);
 	}
+	return count_pages(kept);
 }
 
 /*

@@ -25,7 +25,8 @@ typedef enum MaintenanceUnit
 
 /*
  * Where the work stands between batches: each purge's walk over its heap,
- * the pages its last two batches deleted rows on, the older first (for
+ * the pages its last two batches deleted rows on, the older first, and
+ * those of earlier batches that could not be pruned yet (for
  * maintenance_prune), and whether the next publish batch must go carefully
  * (a row in it failed the fast way).
  */
@@ -33,7 +34,9 @@ typedef struct MaintenanceCursor
 {
 	BlockNumber next_block[NUM_MAINTENANCE_UNITS];
 	IdemPurgedPages to_prune[NUM_MAINTENANCE_UNITS][2];
+	IdemPurgedPages unpruned[NUM_MAINTENANCE_UNITS];
 	uint64		purged_in_pass[NUM_MAINTENANCE_UNITS];	/* reset by the caller */
+	uint64		pruned_in_pass[NUM_MAINTENANCE_UNITS];	/* pages; likewise */
 	bool		publish_carefully;
 	bool		last_publish_was_fast;	/* so a failed one is retried at once */
 } MaintenanceCursor;
@@ -54,7 +57,7 @@ extern const char *const maintenance_unit_names[NUM_MAINTENANCE_UNITS];
 extern void maintenance_cursor_init(MaintenanceCursor *cursor);
 extern bool maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 							  MaintenanceCounts *counts);
-extern void maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor,
-							  bool both);
+extern uint32 maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor,
+								bool both);
 
 #endif							/* IDEMPOTENCY_MAINTENANCE_H */

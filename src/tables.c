@@ -42,6 +42,7 @@
 #include "storage/bufmgr.h"
 #include "storage/freespace.h"
 #include "storage/lmgr.h"
+#include "storage/procarray.h"
 #include "utils/fmgroids.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
@@ -745,22 +746,52 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
  * than the fillfactor reserves, or PD_PAGE_FULL, the hint an UPDATE leaves
  * when its new row version did not fit.  A page that inserts filled up to
  * its fillfactor, then purged, has neither, though no insert can use it
- * until it is pruned: so we leave that hint on the page first.  A page that
- * cannot be pruned yet (an older snapshot is still open, or another backend
- * has the page pinned) keeps the hint, and the next scan or index fetch to
- * read it prunes it; only the next vacuum enters it in the free space map,
- * though.  Each page's free space goes to the map as it is now, whoever
- * pruned it.
+ * until it is pruned: so we leave that hint on the page first.  Each page's
+ * free space goes to the map as it is now, whoever pruned it.
+ *
+ * A page that cannot be pruned yet (a snapshot older than the batch's commit
+ * is still open, or another backend has the page pinned) keeps the hint, so
+ * the next scan to read it prunes it, but only a vacuum would enter it in the
+ * map then: so it stays in *purged, for the caller to try again later, and
+ * the pages done are taken out of it (as are those past the end of the
+ * table, truncated meanwhile).  A page is done once none of the rows the
+ * batch (or an older transaction) deleted remains: its pd_prune_xid, the
+ * oldest deleter of a row pruning left, is then unset or newer than the
+ * batch.  If the batch itself is not old enough yet, no page is read.
+ * Returns how many pages are done.
  */
-void
+uint32
 idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 {
 	Relation	heap;
 	BlockNumber end;
+	IdemPurgedPages left;
+	uint32		done = 0;
+	uint32		not_yet = 0;
 
 	if (purged->span == 0)
-		return;
+		return 0;
 	heap = open_table(table, AccessShareLock);
+
+	/*
+	 * None of the batch's rows can go while a snapshot older than its commit
+	 * remains.  Asked of the horizon as it is now, not as the last snapshot
+	 * estimated it: until the next transaction ID is assigned, that estimate
+	 * still counts a snapshot ended since, which an idle server could keep
+	 * for long.  Computing it also gives heap_page_prune_opt the same.
+	 */
+	if (!TransactionIdPrecedes(purged->xid, GetOldestNonRemovableTransactionId(heap)))
+	{
+		ereport(DEBUG2,
+				(errmsg_internal("could not prune the pages purged in relation \"%s\" yet: a snapshot older than the purge is still open",
+								 RelationGetRelationName(heap))));
+		table_close(heap, NoLock);
+		return 0;
+	}
+
+	memset(&left, 0, sizeof(left));
+	left.first = purged->first;
+	left.xid = purged->xid;
 	end = Min(purged->first + purged->span, RelationGetNumberOfBlocks(heap));
 	for (BlockNumber block = purged->first; block < end; block++)
 	{
@@ -768,6 +799,7 @@ idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 		Buffer		buffer;
 		Page		contents;
 		Size		free_space;
+		TransactionId prune_xid;
 
 		if (!(purged->deleted_on[page / 64] & (UINT64CONST(1) << (page % 64))))
 			continue;
@@ -789,11 +821,27 @@ idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 		heap_page_prune_opt(heap, buffer);
 
 		LockBuffer(buffer, BUFFER_LOCK_SHARE);
+		prune_xid = ((PageHeader) contents)->pd_prune_xid;
 		free_space = PageGetHeapFreeSpace(contents);
 		UnlockReleaseBuffer(buffer);
 		RecordPageWithFreeSpace(heap, block, free_space);
+
+		if (!TransactionIdIsValid(prune_xid) ||
+			TransactionIdFollows(prune_xid, purged->xid))
+			done++;
+		else
+		{
+			left.deleted_on[page / 64] |= UINT64CONST(1) << (page % 64);
+			left.span = page + 1;
+			not_yet++;
+		}
 	}
 	/* the map's upper levels, which inserts search from */
 	FreeSpaceMapVacuumRange(heap, purged->first, end);
+	ereport(DEBUG2,
+			(errmsg_internal("pruned %u pages purged in relation \"%s\", %u left for later",
+							 done, RelationGetRelationName(heap), not_yet)));
 	table_close(heap, NoLock);
+	*purged = left;
+	return done;
 }

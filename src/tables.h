@@ -151,6 +151,6 @@ typedef struct IdemPurgedPages
 extern uint64 idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 								 BlockNumber *next_block,
 								 IdemPurgedPages *purged);
-extern void idem_prune_purged(IdemTable table, IdemPurgedPages *purged);
+extern uint32 idem_prune_purged(IdemTable table, IdemPurgedPages *purged);
 
 #endif							/* IDEMPOTENCY_TABLES_H */

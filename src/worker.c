@@ -497,7 +497,7 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 
 	PG_TRY();
 	{
-		maintenance_prune(unit, cursor, false);
+		(void) maintenance_prune(unit, cursor, false);
 		more = maintenance_batch(unit, cursor, &counts);
 		PopActiveSnapshot();
 		count_own_xid();
@@ -745,18 +745,53 @@ wait_for_older_snapshots(TransactionId xid, MaintenanceCursor *cursor)
 	}
 }
 
+/* The table each purge unit deletes from. */
+static const char *const purged_tables[NUM_MAINTENANCE_UNITS] = {
+	[UNIT_PURGE_KEYS] = "keys",
+	[UNIT_PURGE_EVENTS] = "processed_events",
+	[UNIT_PURGE_OUTBOX] = "outbox",
+};
+
+/*
+ * Say at DEBUG1 how many pages a pass pruned and how many it left for the
+ * next (what the tests wait for).
+ */
+static void
+report_pruned(MaintenanceUnit unit, MaintenanceCursor *cursor, uint32 left)
+{
+	if (left == 0)
+		ereport(DEBUG1,
+				(errmsg_internal("pruned %llu pages of relation \"%s\" in this pass: none left to prune",
+								 (unsigned long long) cursor->pruned_in_pass[unit],
+								 purged_tables[unit])));
+	else
+		ereport(DEBUG1,
+				(errmsg_internal("pruned %llu pages of relation \"%s\" in this pass: %u left to prune next pass",
+								 (unsigned long long) cursor->pruned_in_pass[unit],
+								 purged_tables[unit], left)));
+}
+
 /*
  * Prune the pages the last two batches of a purge deleted rows on (run_batch
- * prunes those of the batches before), in a transaction of its own, once
- * the snapshots older than the last batch's commit are gone.
+ * prunes those of the batches before), and those an earlier prune could not
+ * prune yet, in a transaction of its own, once the snapshots older than the
+ * last batch's commit are gone.  Pages still left (a snapshot outlasted the
+ * wait, or a page was pinned) are tried again by the next pass's batches and
+ * at its end.
  */
 static void
 prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 {
 	IdemPurgedPages *last = &cursor->to_prune[unit][1];
+	volatile int64 left = -1;	/* unknown after an ERROR */
 
-	if (last->span == 0 && cursor->to_prune[unit][0].span == 0)
+	if (last->span == 0 && cursor->to_prune[unit][0].span == 0 &&
+		cursor->unpruned[unit].span == 0)
+	{
+		if (cursor->pruned_in_pass[unit] > 0)
+			report_pruned(unit, cursor, 0);
 		return;
+	}
 	if (last->span > 0)
 		wait_for_older_snapshots(last->xid, cursor);
 	SetCurrentStatementStartTimestamp();
@@ -766,7 +801,7 @@ prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	pgstat_report_activity(STATE_RUNNING, maintenance_unit_names[unit]);
 	PG_TRY();
 	{
-		maintenance_prune(unit, cursor, true);
+		left = maintenance_prune(unit, cursor, true);
 		PopActiveSnapshot();
 		CommitTransactionCommand();
 	}
@@ -776,6 +811,8 @@ prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	}
 	PG_END_TRY();
 	pgstat_report_activity(STATE_IDLE, NULL);
+	if (left >= 0)
+		report_pruned(unit, cursor, (uint32) left);
 }
 
 /*
@@ -800,22 +837,17 @@ static void
 vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit,
 				   bool busy_in_pass)
 {
-	static const char *const tables[NUM_MAINTENANCE_UNITS] = {
-		[UNIT_PURGE_KEYS] = "keys",
-		[UNIT_PURGE_EVENTS] = "processed_events",
-		[UNIT_PURGE_OUTBOX] = "outbox",
-	};
 	static bool owed[NUM_MAINTENANCE_UNITS];
 	TransactionId burned;
 
-	if (purged_most_of(tables[unit], cursor->purged_in_pass[unit]))
+	if (purged_most_of(purged_tables[unit], cursor->purged_in_pass[unit]))
 		owed[unit] = true;
 	if (!owed[unit] || busy_in_pass ||
 		(idem_purge_busy_share < 100 && others_write_over(100, cursor)))
 		return;
 
 	publish_if_woken(cursor);
-	vacuum_table(tables[unit]);
+	vacuum_table(purged_tables[unit]);
 
 	StartTransactionCommand();
 	burned = GetTopTransactionId();
@@ -824,7 +856,7 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit,
 	wait_for_older_snapshots(burned, cursor);
 
 	publish_if_woken(cursor);
-	vacuum_table(tables[unit]);
+	vacuum_table(purged_tables[unit]);
 	owed[unit] = false;
 }
 
@@ -850,6 +882,7 @@ purge_all(MaintenanceCursor *cursor)
 		bool		busy_in_pass = false;
 
 		cursor->purged_in_pass[unit] = 0;
+		cursor->pruned_in_pass[unit] = 0;
 		do
 		{
 			instr_time	start;
