@@ -1,7 +1,8 @@
 # The worker's life: it serves databases created after start without
 # configuration, comes back after pg_terminate_backend and kill -9, never
 # holds up DROP DATABASE, follows DROP / CREATE EXTENSION, and purges in
-# bounded batches.
+# bounded batches, pruning the pages it purged so that their space is in the
+# free space map before any vacuum (what it pruned it says in the log).
 
 use strict;
 use warnings;
@@ -19,6 +20,9 @@ shared_preload_libraries = 'idempotency'
 idempotency.naptime = '200ms'
 idempotency.purge_interval = '200ms'
 restart_after_crash = on
+# the worker says at DEBUG1 what its pruning after a purge did (see
+# pruned_all_since)
+log_min_messages = debug1
 });
 $node->start;
 
@@ -47,6 +51,38 @@ sub wait_for_worker
 		WHERE backend_type = 'idempotency worker $db' AND pid <> $not_pid})
 	  or die "no worker for database $db";
 	return worker_pid($db);
+}
+
+# Wait until the worker's last word since the log's offset on pruning the
+# pages it purged rows of idempotency.keys on is that none is left to prune:
+# it says how many are left at the end of each pass that pruned pages or had
+# some to prune, and a page it could not prune yet (an older snapshot, a pin)
+# is tried again in the next pass.  Call it once a pass has ended since the
+# purge of interest, so that this pass's word is in the log.
+my $prune_report = qr/pruned \d+ pages of relation "keys" in this pass: /;
+
+sub pruned_all_since
+{
+	my ($offset) = @_;
+	my $report = $prune_report;
+	return eval {
+		$node->wait_for_log(qr/${report}none left to prune\n(?:(?!$report).)*\z/s, $offset);
+		1;
+	};
+}
+
+# The pages of idempotency.keys that the pages table says rows were on
+# (blkno), whose free space in the map is short of the space those rows
+# took there (freed: the sum of their lengths), less 64 bytes (the map
+# counts in steps of 32, and a pruned row's line pointer stays): '' if none.
+sub pages_without_their_space
+{
+	my ($pages_table) = @_;
+	return $node->safe_psql('postgres', qq{
+		SELECT coalesce(string_agg(p.blkno || ': ' || coalesce(f.avail, 0) || ' < ' || p.freed, ', '
+								   ORDER BY p.blkno), '')
+		FROM $pages_table p LEFT JOIN pg_freespace('idempotency.keys') f USING (blkno)
+		WHERE coalesce(f.avail, 0) < p.freed - 64});
 }
 
 # publishing works in db: enqueue one row and see the function receive it
@@ -179,10 +215,18 @@ my $writer = IPC::Run::start(
 $node->poll_query_until('postgres', 'SELECT count(*) > 100 FROM writes')
   or die "the writer did not start: $writer_err";
 
+# the pages the rows are on, and the space they take there, recorded before
+# the worker can see them
+my $log_offset = -s $node->logfile;
 $node->safe_psql('postgres', q{
+	BEGIN;
 	INSERT INTO idempotency.keys (scope, key, attempt, ttl, created_at, expires_at, status_code)
 	SELECT 's', 'busy' || n, 1, '1 s', now() - interval '1 day', now() - interval '1 hour', 200
 	FROM generate_series(1, 20000) n;
+	CREATE TABLE busy_pages AS
+	SELECT (ctid::text::point)[0]::bigint AS blkno, sum(pg_column_size(k.*)) AS freed
+	FROM idempotency.keys k WHERE key LIKE 'busy%' GROUP BY 1;
+	COMMIT;
 });
 ok($node->poll_query_until('postgres', 'SELECT count(*) = 1 FROM idempotency.keys'),
 	'with another session writing, the expired keys are purged all the same');
@@ -199,6 +243,10 @@ is($node->safe_psql('postgres',
 # ... yet the space of the rows it purged is reusable already: it pruned the
 # pages it deleted them on and entered their free space in the map, so the
 # rows written next fill them rather than grow the table
+ok(pruned_all_since($log_offset),
+	'... the worker pruned every page it purged rows on');
+is(pages_without_their_space('busy_pages'), '',
+	'... and each is in the free space map with the space of the rows purged from it');
 my $pages = $node->safe_psql('postgres',
 	"SELECT pg_relation_size('idempotency.keys') / 8192");
 $node->safe_psql('postgres', q{
@@ -233,16 +281,17 @@ $node->safe_psql('postgres', q{
 });
 $vacuums_before = $node->safe_psql('postgres',
 	"SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'idempotency.keys'::regclass");
+$log_offset = -s $node->logfile;
 $node->safe_psql('postgres', q{
+	BEGIN;
 	INSERT INTO idempotency.keys (scope, key, attempt, ttl, created_at, expires_at, status_code)
 	SELECT 's', 'once' || n, 1, '1 s', now() - interval '1 day', now() - interval '1 hour', 200
 	FROM generate_series(1, 2000) n;
+	CREATE TABLE once_pages AS
+	SELECT (ctid::text::point)[0]::bigint AS blkno, sum(pg_column_size(k.*)) AS freed
+	FROM idempotency.keys k WHERE key LIKE 'once%' GROUP BY 1;
+	COMMIT;
 });
-my $once_pages = $node->safe_psql('postgres', q{
-	SELECT string_agg(DISTINCT ((ctid::text::point)[0])::bigint::text, ',')
-	FROM idempotency.keys WHERE key LIKE 'once%'});
-my $free_before = $node->safe_psql('postgres',
-	"SELECT coalesce(sum(avail), 0) FROM pg_freespace('idempotency.keys') WHERE blkno IN ($once_pages)");
 ok($node->poll_query_until('postgres',
 		"SELECT count(*) = 0 FROM idempotency.keys WHERE key LIKE 'once%'"),
 	'2000 expired keys beside 20,000 live ones are purged');
@@ -253,10 +302,71 @@ ok($node->poll_query_until('postgres',
 is($node->safe_psql('postgres',
 		"SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'idempotency.keys'::regclass"),
 	$vacuums_before, '... without vacuuming the table');
-cmp_ok($node->safe_psql('postgres',
-		"SELECT sum(avail) FROM pg_freespace('idempotency.keys') WHERE blkno IN ($once_pages)"),
-	'>', $free_before + 100_000,
+ok(pruned_all_since($log_offset), '... the worker pruned every page it purged rows on');
+is(pages_without_their_space('once_pages'), '',
 	'... and the pages they were on are in the free space map with their space');
+
+# --- a snapshot older than a purge that outlasts the worker's wait for it
+# keeps the purged pages from being pruned; they are pruned once it is gone,
+# not left for a vacuum
+my ($holder_in, $holder_out, $holder_err) = ('', '', '');
+my $holder = IPC::Run::start(
+	[ 'psql', '-X', '-v', 'ON_ERROR_STOP=1', '-d', $node->connstr('postgres') ],
+	'<', \$holder_in, '>', \$holder_out, '2>', \$holder_err,
+	IPC::Run::timeout($PostgreSQL::Test::Utils::timeout_default));
+$holder_in .= "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 'snapshot' || ' taken';\n";
+$holder->pump until $holder_out =~ /snapshot taken/;
+$log_offset = -s $node->logfile;
+$node->safe_psql('postgres', q{
+	BEGIN;
+	INSERT INTO idempotency.keys (scope, key, attempt, ttl, created_at, expires_at, status_code)
+	SELECT 's', 'held' || n, 1, '1 s', now() - interval '1 day', now() - interval '1 hour', 200
+	FROM generate_series(1, 2000) n;
+	CREATE TABLE held_pages AS
+	SELECT (ctid::text::point)[0]::bigint AS blkno, sum(pg_column_size(k.*)) AS freed
+	FROM idempotency.keys k WHERE key LIKE 'held%' GROUP BY 1;
+	COMMIT;
+});
+ok($node->poll_query_until('postgres',
+		"SELECT count(*) = 0 FROM idempotency.keys WHERE key LIKE 'held%'"),
+	'with an older snapshot open, 2000 expired keys are purged');
+ok(eval { $node->wait_for_log(qr/${prune_report}\d+ left to prune next pass/, $log_offset) },
+	'... and the worker says their pages are left to prune');
+isnt(pages_without_their_space('held_pages'), '',
+	'... whose space is not in the free space map yet');
+
+# Once the snapshot is gone, the worker's next try prunes the pages itself,
+# not only enters in the map what a scan pruned since (its own next pass
+# reads them too, and would prune them, for the hint it left on them).  It
+# says what each try did at DEBUG2: raised now, and in effect once it says
+# it could not prune them yet.
+my $debug2_offset = -s $node->logfile;
+$node->safe_psql('postgres', q{
+	ALTER SYSTEM SET log_min_messages = debug2;
+	SELECT pg_reload_conf();
+});
+ok( eval {
+		$node->wait_for_log(qr/could not prune the pages purged in relation "keys" yet/,
+			$debug2_offset);
+	},
+	'... and the worker tries again in each pass');
+my $commit_offset = -s $node->logfile;
+$holder_in .= "COMMIT;\n";
+ok($holder->finish, 'the older snapshot is gone') or diag($holder_err);
+$purged_at = $node->safe_psql('postgres', 'SELECT clock_timestamp()');
+ok($node->poll_query_until('postgres',
+		"SELECT worker_last_round > '$purged_at' FROM idempotency.stats"),
+	'... and the worker finished a pass since');
+ok(pruned_all_since($log_offset), '... which pruned the pages left');
+my ($first_try) = slurp_file($node->logfile, $commit_offset) =~
+  /pruned (\d+) pages purged in relation "keys"/;
+cmp_ok($first_try // 0, '>', 0, '... starting with its first try since');
+is(pages_without_their_space('held_pages'), '',
+	'... and entered them in the free space map with their space');
+is($node->safe_psql('postgres',
+		"SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'idempotency.keys'::regclass"),
+	$vacuums_before, '... without vacuuming the table');
+
 $node->safe_psql('postgres', 'ALTER TABLE idempotency.keys RESET (autovacuum_enabled)');
 
 $node->stop;
