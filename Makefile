@@ -113,3 +113,11 @@ check-installcheck:
 .PHONY: check-deb
 check-deb:
 	PG_CONFIG=$(PG_CONFIG) scripts/check-deb.sh
+
+# The fuzzers, bounded to a minute or two: test/fuzz/fuzz_args.py (every
+# function with hostile arguments, and races between sessions) and Debian's
+# sqlsmith, against a temporary instance that preloads the library
+# (scripts/check-fuzz.sh; SUITES=fuzz make test runs it)
+.PHONY: check-fuzz
+check-fuzz:
+	PG_CONFIG=$(PG_CONFIG) scripts/check-fuzz.sh
