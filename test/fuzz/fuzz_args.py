@@ -292,11 +292,13 @@ def hostile_settings():
 # ---------------------------------------------------------------------------
 
 def valid_scope(fz, chosen):
-    return fz.rng.choice(["'fz'", "'fz:POST /p'", "''"])
+    return fz.rng.choice(["'fz'", "'fz:POST /p'", "''", "'seed'"])
 
 
 def valid_key(fz, chosen):
-    return fz.rng.choice(["'k1'", "'k2'", "'k3'", "'seed-in'", lit(f"k{fz.counter()}")])
+    # shared keys, keys of setup.sql (in progress, completed), a new key
+    return fz.rng.choice(["'k1'", "'k2'", "'k3'", "'in-progress-1'", "'done-1'",
+                          lit(f"k{fz.counter()}")])
 
 
 def valid_text(fz, chosen):
@@ -394,7 +396,7 @@ KINDS = {
 #   claimed  the valid (scope, key) is first claimed (or otherwise prepared)
 #            so that the call reaches the code behind "key not claimed"
 #   from     also called in FROM forms: EXPLAIN, EXPLAIN ANALYZE, (f()).*,
-#            LATERAL rescans
+#            LATERAL rescans, a scrollable cursor
 #   view     not a function: SELECT * FROM idempotency.stats
 # ---------------------------------------------------------------------------
 
