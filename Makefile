@@ -121,3 +121,12 @@ check-deb:
 .PHONY: check-fuzz
 check-fuzz:
 	PG_CONFIG=$(PG_CONFIG) scripts/check-fuzz.sh
+
+# installcheck's pg_regress and isolation suites, and the fuzzers of
+# check-fuzz, against a temporary server that loads a build made with
+# AddressSanitizer and UndefinedBehaviorSanitizer from a private copy of the
+# server's lib dir (the installed library stays as it is); fails on any
+# sanitizer report as on any suite failure (scripts/check-sanitize.sh)
+.PHONY: check-sanitize
+check-sanitize:
+	PG_CONFIG=$(PG_CONFIG) scripts/check-sanitize.sh
