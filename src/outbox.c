@@ -345,9 +345,10 @@ static MemoryContext routes_context = NULL;
 void
 outbox_sql_begin(OutboxSqlContext *context)
 {
-	idem_table_verify(IDEM_TABLE_OUTBOX);
+	Oid			owner = idem_outbox_owner();
+
 	GetUserIdAndSecContext(&context->saved_userid, &context->saved_sec_context);
-	SetUserIdAndSecContext(idem_tables_owner(),
+	SetUserIdAndSecContext(owner,
 						   context->saved_sec_context | SECURITY_LOCAL_USERID_CHANGE);
 	context->guc_nest_level = NewGUCNestLevel();
 	(void) set_config_option("search_path", "pg_catalog, pg_temp",

@@ -129,7 +129,6 @@ static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
  * EXTENSION, a cache reset), so that the next open looks it up again.
  */
 static Oid	cached_relid[IDEM_NUM_TABLES];
-static Oid	cached_owner = InvalidOid;	/* of keys, see idem_tables_owner */
 static Oid	cached_sequence = InvalidOid;	/* outbox ids, see idem_outbox_next_id */
 
 /*
@@ -150,8 +149,6 @@ static bool invalidation_registered = false;
 static void
 forget_cached_table(Datum arg, Oid relid)
 {
-	if (relid == InvalidOid || relid == cached_relid[IDEM_TABLE_KEYS])
-		cached_owner = InvalidOid;	/* ALTER ... OWNER invalidates it too */
 	if (relid == InvalidOid || relid == cached_sequence ||
 		relid == cached_relid[IDEM_TABLE_OUTBOX])
 		cached_sequence = InvalidOid;
@@ -208,33 +205,21 @@ open_table(IdemTable table, LOCKMODE lockmode)
 }
 
 /*
- * Check one of our tables before SQL of ours runs on it (outbox.c): those
- * statements return rows of the table's type to callers built for the
- * columns idem_check_table guarantees.
- */
-void
-idem_table_verify(IdemTable table)
-{
-	table_close(open_table(table, AccessShareLock), NoLock);
-}
-
-/*
- * The role that owns the extension's tables: the one that ran CREATE
- * EXTENSION.  The outbox's SQL runs as this role (see outbox.c).
+ * The role that owns the outbox, which the outbox's SQL runs as (outbox.c),
+ * once idem_check_table has seen that the table is the one those statements
+ * and their callers were built for.  Only the outbox is locked here: the
+ * worker publishes holding its lock, and DROP EXTENSION locks the tables in
+ * an order of its own, so a lock on another of them taken now could
+ * deadlock with it.
  */
 Oid
-idem_tables_owner(void)
+idem_outbox_owner(void)
 {
-	Relation	heap;
+	Relation	heap = open_table(IDEM_TABLE_OUTBOX, AccessShareLock);
+	Oid			owner = heap->rd_rel->relowner;
 
-	/* every outbox call asks: open the table only when the cache is cold */
-	if (OidIsValid(cached_owner) && OidIsValid(cached_relid[IDEM_TABLE_KEYS]))
-		return cached_owner;
-
-	heap = open_table(IDEM_TABLE_KEYS, AccessShareLock);
-	cached_owner = heap->rd_rel->relowner;
 	table_close(heap, NoLock);
-	return cached_owner;
+	return owner;
 }
 
 void

@@ -116,8 +116,7 @@ typedef struct ProbeResult
 	uint32		speculative_token;
 } ProbeResult;
 
-extern Oid	idem_tables_owner(void);
-extern void idem_table_verify(IdemTable table);
+extern Oid	idem_outbox_owner(void);
 extern void idem_relation_open(IdemRelation *rel, IdemTable table,
 							   LOCKMODE lockmode);
 extern void idem_relation_close(IdemRelation *rel);
