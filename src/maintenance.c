@@ -47,8 +47,13 @@ maintenance_cursor_init(MaintenanceCursor *cursor)
 		cursor->purged_in_pass[unit] = 0;
 		cursor->pruned_in_pass[unit] = 0;
 	}
-	cursor->publish_carefully = false;
-	cursor->last_publish_was_fast = false;
+	cursor->publish_way = cursor->last_publish_way = PUBLISH_FAST;
+	/* the caller's context outlives the batches: the worker's is TopMemoryContext */
+	cursor->alone.ids = NULL;
+	cursor->alone.count = cursor->alone.capacity = 0;
+	cursor->alone.context = CurrentMemoryContext;
+	cursor->alone_next = 0;
+	cursor->alone_started = cursor->alone_progress = false;
 }
 
 /* The table a purge unit walks. */
@@ -56,6 +61,121 @@ static IdemTable
 purged_table(MaintenanceUnit unit)
 {
 	return unit == UNIT_PURGE_KEYS ? IDEM_TABLE_KEYS : IDEM_TABLE_EVENTS;
+}
+
+/*
+ * One publish batch, the way cursor->publish_way says (see PublishWay), in
+ * the current transaction.  If it fails, the caller undoes the transaction
+ * and calls maintenance_publish_failed, which picks the next way.
+ */
+static bool
+publish_batch(MaintenanceCursor *cursor, MaintenanceCounts *counts)
+{
+	TimestampTz now = GetCurrentTimestamp();
+	PublishWay	way = cursor->publish_way;
+	uint64		published;
+	uint64		failed;
+	bool		more;
+
+	cursor->last_publish_way = way;
+	if (way == PUBLISH_ALONE && cursor->alone_next < cursor->alone.count)
+	{
+		int64		id = cursor->alone.ids[cursor->alone_next++];
+
+		(void) outbox_publish_row(now, id, &cursor->alone_started, &published, &failed);
+		cursor->alone_progress |= published + failed > 0;
+		more = cursor->alone_next < cursor->alone.count || cursor->alone_progress;
+		if (cursor->alone_next >= cursor->alone.count)
+			cursor->publish_way = PUBLISH_FAST;
+	}
+	else
+	{
+		bool		careful = way == PUBLISH_CAREFULLY;
+		int			limit = careful ?
+			Min(idem_publish_batch_size, CAREFUL_PUBLISH_BATCH) :
+			idem_publish_batch_size;
+		uint64		looked_at;
+
+		/* (a PUBLISH_ALONE whose rows are done goes the fast way) */
+		cursor->last_publish_way = careful ? PUBLISH_CAREFULLY : PUBLISH_FAST;
+		/* a careful batch keeps its rows' ids, to try them alone if it fails */
+		looked_at = outbox_publish_batch(now, limit, careful, &published, &failed,
+										 careful ? &cursor->alone : NULL);
+		cursor->publish_way = PUBLISH_FAST;
+		more = looked_at >= (uint64) limit && (published > 0 || careful);
+	}
+	counts->published += published;
+	counts->publish_failures += failed;
+	idem_count(IDEM_COUNTER_PUBLISHED, published);
+	idem_count(IDEM_COUNTER_PUBLISH_FAILURES, failed);
+	return more;
+}
+
+/*
+ * After a publish batch failed with error, and its transaction (or
+ * subtransaction) was rolled back: pick the next batch's way, and say
+ * whether to go on at once.  A cancel, a shutdown or no memory
+ * (outbox_error_counts_against_row) is not a row's fault: publishing stops
+ * for now, and starts again the fast way.  Otherwise a fast batch is
+ * followed by a careful one, a careful one by its rows alone, and when a row
+ * alone fails after its publication began, the row is to blame: *blame is
+ * set, and the caller records its failed attempt with
+ * maintenance_publish_blame in a transaction that has not tried to publish
+ * it.  Once the rows alone are done, publishing goes on only if one of them
+ * went out or had its failure recorded, so that a failure that is no row's
+ * (one that comes before any row is tried) does not go round and round.
+ */
+bool
+maintenance_publish_failed(MaintenanceCursor *cursor, const ErrorData *error, bool *blame)
+{
+	*blame = false;
+	if (!outbox_error_counts_against_row(error))
+	{
+		cursor->publish_way = PUBLISH_FAST;
+		return false;
+	}
+	switch (cursor->last_publish_way)
+	{
+		case PUBLISH_FAST:
+			cursor->publish_way = PUBLISH_CAREFULLY;
+			return true;
+		case PUBLISH_CAREFULLY:
+			cursor->alone_next = 0;
+			cursor->alone_progress = false;
+			cursor->publish_way = cursor->alone.count > 0 ? PUBLISH_ALONE : PUBLISH_FAST;
+			return cursor->alone.count > 0;
+		case PUBLISH_ALONE:
+			*blame = cursor->alone_started;
+			if (cursor->alone_next < cursor->alone.count)
+			{
+				cursor->publish_way = PUBLISH_ALONE;
+				return true;
+			}
+			cursor->publish_way = PUBLISH_FAST;
+			return cursor->alone_progress;
+	}
+	return false;
+}
+
+/*
+ * Record the failed attempt of the row maintenance_publish_failed blamed,
+ * with the error its transaction failed with.  Returns whether it did (the
+ * row may have stopped being pending meanwhile); if so, publishing may go on
+ * at once.
+ */
+bool
+maintenance_publish_blame(MaintenanceCursor *cursor, const char *error,
+						  MaintenanceCounts *counts)
+{
+	int64		id = cursor->alone.ids[cursor->alone_next - 1];
+
+	if (!outbox_record_failure(GetCurrentTimestamp(), id,
+							   error != NULL ? error : "unknown error"))
+		return false;
+	counts->publish_failures++;
+	idem_count(IDEM_COUNTER_PUBLISH_FAILURES, 1);
+	cursor->alone_progress = true;
+	return true;
 }
 
 /*
@@ -87,28 +207,7 @@ maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 			more = done == (uint64) idem_purge_batch_size;
 			break;
 		case UNIT_PUBLISH:
-			{
-				uint64		published;
-				uint64		failed;
-				uint64		looked_at;
-				bool		careful = cursor->publish_carefully;
-				int			limit = careful ?
-					Min(idem_publish_batch_size, CAREFUL_PUBLISH_BATCH) :
-					idem_publish_batch_size;
-
-				/* if this batch fails the fast way, the next goes carefully */
-				cursor->publish_carefully = true;
-				cursor->last_publish_was_fast = !careful;
-				looked_at = outbox_publish_batch(now, limit, careful,
-												 &published, &failed);
-				cursor->publish_carefully = false;
-				counts->published += published;
-				counts->publish_failures += failed;
-				idem_count(IDEM_COUNTER_PUBLISHED, published);
-				idem_count(IDEM_COUNTER_PUBLISH_FAILURES, failed);
-				more = looked_at >= (uint64) limit && (published > 0 || careful);
-				return more;
-			}
+			return publish_batch(cursor, counts);
 		case NUM_MAINTENANCE_UNITS:
 			break;
 	}
@@ -218,11 +317,14 @@ maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor, bool both)
 }
 
 /*
- * One publish batch for idem_run_maintenance: the fast way (up to
- * publish_batch_size rows in one go) in a subtransaction, and if a row
- * fails, that subtransaction is undone and the batch is done again the
- * careful way (a subtransaction per row, so the failing row is recorded and
- * the others go out), as the worker does with its next batch.
+ * One publish batch for idem_run_maintenance, the ways the worker goes (see
+ * PublishWay), each in a subtransaction rather than a transaction of its
+ * own: the fast way (up to publish_batch_size rows in one go); if it fails,
+ * the careful way (at most 32 rows, each in a subtransaction of its own, so
+ * the failing row is recorded and the others go out); and if even that
+ * fails, each of its rows alone, a failing one's attempt recorded once its
+ * subtransaction is undone.  A failure at the caller's commit is beyond
+ * reach here: the worker, whose transactions these are, records it.
  */
 static void
 publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts)
@@ -230,38 +332,40 @@ publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
 	MemoryContext context = CurrentMemoryContext;
 	ResourceOwner owner = CurrentResourceOwner;
 
-	BeginInternalSubTransaction(NULL);
-	MemoryContextSwitchTo(context);
-	PG_TRY();
+	cursor->publish_way = PUBLISH_FAST;
+	do
 	{
-		cursor->publish_carefully = false;
-		(void) maintenance_batch(UNIT_PUBLISH, cursor, counts);
-		ReleaseCurrentSubTransaction();
+		BeginInternalSubTransaction(NULL);
 		MemoryContextSwitchTo(context);
-		CurrentResourceOwner = owner;
-	}
-	PG_CATCH();
-	{
-		ErrorData  *error;
+		PG_TRY();
+		{
+			(void) maintenance_batch(UNIT_PUBLISH, cursor, counts);
+			ReleaseCurrentSubTransaction();
+			MemoryContextSwitchTo(context);
+			CurrentResourceOwner = owner;
+		}
+		PG_CATCH();
+		{
+			ErrorData  *error;
+			bool		blame;
 
-		MemoryContextSwitchTo(context);
-		error = CopyErrorData();
-		FlushErrorState();
-		RollbackAndReleaseCurrentSubTransaction();
-		MemoryContextSwitchTo(context);
-		CurrentResourceOwner = owner;
+			MemoryContextSwitchTo(context);
+			error = CopyErrorData();
+			FlushErrorState();
+			RollbackAndReleaseCurrentSubTransaction();
+			MemoryContextSwitchTo(context);
+			CurrentResourceOwner = owner;
 
-		/* a cancel, a shutdown or no memory ends the call; a failing row does not */
-		if (error->sqlerrcode == ERRCODE_QUERY_CANCELED ||
-			error->sqlerrcode == ERRCODE_ADMIN_SHUTDOWN ||
-			error->sqlerrcode == ERRCODE_OUT_OF_MEMORY)
-			ReThrowError(error);
-		FreeErrorData(error);
-
-		cursor->publish_carefully = true;
-		(void) maintenance_batch(UNIT_PUBLISH, cursor, counts);
-	}
-	PG_END_TRY();
+			/* a cancel, a shutdown or no memory ends the call; a failing row does not */
+			if (!outbox_error_counts_against_row(error))
+				ReThrowError(error);
+			(void) maintenance_publish_failed(cursor, error, &blame);
+			if (blame)
+				(void) maintenance_publish_blame(cursor, error->message, counts);
+			FreeErrorData(error);
+		}
+		PG_END_TRY();
+	} while (cursor->publish_way != PUBLISH_FAST);
 }
 
 /*

@@ -11,6 +11,7 @@
 
 #include "storage/block.h"
 
+#include "outbox.h"
 #include "tables.h"
 
 /* The kinds of work, each done in bounded batches. */
@@ -24,11 +25,30 @@ typedef enum MaintenanceUnit
 } MaintenanceUnit;
 
 /*
+ * How the next publish batch goes.  The fast way publishes up to
+ * publish_batch_size rows in one transaction.  When that fails, the careful
+ * way follows at once: at most CAREFUL_PUBLISH_BATCH rows, each in a
+ * subtransaction of its own, so that a row whose route raises an ERROR has
+ * its attempt recorded and the others go out.  When even that fails (the
+ * failure came after a row's subtransaction, or at commit), each row of that
+ * careful batch goes alone, in a transaction of its own, and a row whose own
+ * transaction fails has its failed attempt recorded in another
+ * (maintenance_publish_failed).  So a row is never tried for ever with its
+ * attempts at 0, holding up the rest.
+ */
+typedef enum PublishWay
+{
+	PUBLISH_FAST,
+	PUBLISH_CAREFULLY,
+	PUBLISH_ALONE
+} PublishWay;
+
+/*
  * Where the work stands between batches: each purge's walk over its heap,
  * the pages its last two batches deleted rows on, the older first, and
  * those of earlier batches that could not be pruned yet (for
- * maintenance_prune), and whether the next publish batch must go carefully
- * (a row in it failed the fast way).
+ * maintenance_prune), and how the next publish batch goes (see
+ * PublishWay).
  */
 typedef struct MaintenanceCursor
 {
@@ -37,8 +57,13 @@ typedef struct MaintenanceCursor
 	IdemPurgedPages unpruned[NUM_MAINTENANCE_UNITS];
 	uint64		purged_in_pass[NUM_MAINTENANCE_UNITS];	/* reset by the caller */
 	uint64		pruned_in_pass[NUM_MAINTENANCE_UNITS];	/* pages; likewise */
-	bool		publish_carefully;
-	bool		last_publish_was_fast;	/* so a failed one is retried at once */
+	PublishWay	publish_way;	/* the next publish batch's */
+	PublishWay	last_publish_way;	/* the last one's, for maintenance_publish_failed */
+	/* PUBLISH_ALONE: the rows of the careful batch that failed, in the caller's context */
+	OutboxRowIds alone;
+	uint64		alone_next;		/* the next of them to try */
+	bool		alone_started;	/* the last one tried began to be published */
+	bool		alone_progress; /* one of them was published, or its failure recorded */
 } MaintenanceCursor;
 
 /* Rows per careful publish batch: each takes a subtransaction. */
@@ -57,6 +82,10 @@ extern const char *const maintenance_unit_names[NUM_MAINTENANCE_UNITS];
 extern void maintenance_cursor_init(MaintenanceCursor *cursor);
 extern bool maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 							  MaintenanceCounts *counts);
+extern bool maintenance_publish_failed(MaintenanceCursor *cursor, const ErrorData *error,
+									   bool *blame);
+extern bool maintenance_publish_blame(MaintenanceCursor *cursor, const char *error,
+									  MaintenanceCounts *counts);
 extern uint32 maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor,
 								bool both);
 

@@ -34,6 +34,7 @@
 #include "access/htup_details.h"
 #include "access/xact.h"
 #include "catalog/namespace.h"
+#include "catalog/pg_class.h"
 #include "commands/async.h"
 #include "replication/message.h"
 #include "catalog/pg_proc.h"
@@ -154,6 +155,7 @@ typedef enum OutboxStatement
 	STMT_ROUTE,
 	STMT_PUBLISH_CANDIDATES_TOPIC,
 	STMT_PUBLISH_CANDIDATES_EXCEPT,
+	STMT_PUBLISH_CANDIDATE_ROW,
 	STMT_ROUTES,
 	STMT_MARK_PUBLISHED_DELETE,
 	STMT_MARK_PUBLISHED_KEEP,
@@ -270,6 +272,11 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3)", "o.id"),
 		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}, true
 	},
+	/* one row, by id ($3), if it is still a candidate (see outbox_publish_row) */
+	[STMT_PUBLISH_CANDIDATE_ROW] = {
+		PUBLISH_CANDIDATES_SQL("o.id = $3", "o.id"),
+		3, {TIMESTAMPTZOID, INT4OID, INT8OID}
+	},
 	[STMT_ROUTES] = {
 		"SELECT topic, target <> 'none' AS routed FROM idempotency.outbox_routes",
 		0, {}
@@ -284,7 +291,13 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		" WHERE id = ANY ($1)",
 		2, {INT8ARRAYOID, TIMESTAMPTZOID}
 	},
-	/* $1 id, $2 error, $3 now, $4 max attempts, $5 backoff min, $6 backoff max */
+	/*
+	 * $1 id, $2 error, $3 now, $4 max attempts, $5 backoff min, $6 backoff
+	 * max.  Only a pending row: a batch's candidates are, and locked, but a
+	 * row whose attempt is recorded after its transaction failed
+	 * (outbox_record_failure) may have been requeued, discarded or leased by
+	 * then.
+	 */
 	[STMT_PUBLISH_FAILED] = {
 		"UPDATE idempotency.outbox"
 		" SET attempts = attempts + 1,"
@@ -292,7 +305,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		"     last_error = $2,"
 		"     available_at = $3 + make_interval(secs => "
 		BACKOFF_MS_SQL("(attempts + 1)", "$5", "$6") " / 1000.0)"
-		" WHERE id = $1",
+		" WHERE id = $1 AND state = 'pending'",
 		6, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID}
 	},
 	/* $1 published before, $2 batch size */
@@ -884,12 +897,34 @@ candidate_text(HeapTuple tuple, TupleDesc desc, int column)
 }
 
 static bool
-published_earlier(const int64 *published, int npublished, int64 id)
+published_earlier(const int64 *published, uint64 npublished, int64 id)
 {
-	for (int i = 0; i < npublished; i++)
+	for (uint64 i = 0; i < npublished; i++)
 		if (published[i] == id)
 			return true;
 	return false;
+}
+
+/*
+ * The outbox table as it is now: its OID and its storage (relfilenode), or
+ * InvalidOid for both if it is gone.
+ */
+static void
+outbox_identity(Oid *relid, Oid *relfilenode)
+{
+	Oid			schema = get_namespace_oid("idempotency", true);
+	HeapTuple	tuple;
+
+	*relid = OidIsValid(schema) ? get_relname_relid("outbox", schema) : InvalidOid;
+	*relfilenode = InvalidOid;
+	if (!OidIsValid(*relid))
+		return;
+	tuple = SearchSysCache1(RELOID, ObjectIdGetDatum(*relid));
+	if (HeapTupleIsValid(tuple))
+	{
+		*relfilenode = ((Form_pg_class) GETSTRUCT(tuple))->relfilenode;
+		ReleaseSysCache(tuple);
+	}
 }
 
 /*
@@ -898,6 +933,17 @@ published_earlier(const int64 *published, int npublished, int64 id)
  * restrictions of a maintenance operation and the database's own
  * search_path rather than the pinned one our statements run under.  The
  * worker itself runs as the extension's owner: the function must not.
+ *
+ * The function must leave the outbox table where it found it: the batch
+ * that calls it goes on in that table (the row's published mark, the other
+ * rows of the batch).  Dropped from under the batch (DROP EXTENSION, DROP
+ * SCHEMA, even if re-created), the batch's next statement would fail
+ * outside the row's subtransaction and undo the attempt's record with the
+ * rest, so that the row was tried again and again with its attempts at 0;
+ * emptied (TRUNCATE, or any rewrite), the batch's rows that are not
+ * published yet, and every other row, would be lost without a word.  So
+ * either is the function's ERROR, which fails the row's attempt and undoes
+ * what the function did.
  */
 static void
 call_route_function(const char *signature, Oid run_as, Datum event)
@@ -908,6 +954,10 @@ call_route_function(const char *signature, Oid run_as, Datum event)
 	int			saved_sec_context;
 	int			guc_nest_level;
 	FmgrInfo	flinfo;
+	Oid			relid_before;
+	Oid			storage_before;
+	Oid			relid_after;
+	Oid			storage_after;
 	LOCAL_FCINFO(fcinfo, 1);
 
 	if (!OidIsValid(run_as) || !SearchSysCacheExists1(AUTHOID, ObjectIdGetDatum(run_as)))
@@ -932,9 +982,21 @@ call_route_function(const char *signature, Oid run_as, Datum event)
 	InitFunctionCallInfoData(*fcinfo, &flinfo, 1, InvalidOid, NULL, NULL);
 	fcinfo->args[0].value = event;
 	fcinfo->args[0].isnull = false;
+	outbox_identity(&relid_before, &storage_before);
 	(void) FunctionCallInvoke(fcinfo);	/* its result, NULL or not, is ignored */
 	AtEOXact_GUC(false, guc_nest_level);
 	SetUserIdAndSecContext(saved_userid, saved_sec_context);
+
+	/* what the function did, seen by the catalog lookups */
+	CommandCounterIncrement();
+	outbox_identity(&relid_after, &storage_after);
+	if (relid_after != relid_before || storage_after != storage_before)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("route function %s %s table idempotency.outbox", signature,
+						relid_after != relid_before ? "dropped" : "truncated or rewrote"),
+				 errdetail("The rows are published in the transaction that calls the function, from that table."),
+				 errhint("Change the function: it must not drop the extension, its schema or the outbox, nor truncate the outbox.")));
 }
 
 static void
@@ -957,6 +1019,27 @@ publish_one(const Candidate *candidate)
 		call_route_function(candidate->destination, candidate->run_as, candidate->event);
 	else
 		elog(ERROR, "unknown outbox route target \"%s\"", candidate->target);
+}
+
+/*
+ * Does an error that stopped a row's publication count against the row?  A
+ * cancel, a shutdown and running out of memory do not: they say nothing of
+ * the row, which is tried again as it was.  But only those of the server:
+ * the server raises a cancel or a shutdown at an interrupt, in
+ * ProcessInterrupts, while a route function that raises SQLSTATE 57014 or
+ * 57P01 itself (RAISE ... USING ERRCODE = 'query_canceled') is failing like
+ * any other, and were it let through, its row would be tried for ever with
+ * its attempts at 0.
+ */
+bool
+outbox_error_counts_against_row(const ErrorData *error)
+{
+	if (error->sqlerrcode == ERRCODE_OUT_OF_MEMORY)
+		return false;
+	if (error->sqlerrcode == ERRCODE_QUERY_CANCELED ||
+		error->sqlerrcode == ERRCODE_ADMIN_SHUTDOWN)
+		return error->funcname == NULL || strcmp(error->funcname, "ProcessInterrupts") != 0;
+	return true;
 }
 
 /*
@@ -988,9 +1071,7 @@ try_publish(const Candidate *candidate, MemoryContext keep)
 		RollbackAndReleaseCurrentSubTransaction();
 
 		/* a cancel or a shutdown is not the row's fault: let it through */
-		if (edata->sqlerrcode == ERRCODE_QUERY_CANCELED ||
-			edata->sqlerrcode == ERRCODE_ADMIN_SHUTDOWN ||
-			edata->sqlerrcode == ERRCODE_OUT_OF_MEMORY)
+		if (!outbox_error_counts_against_row(edata))
 			ReThrowError(edata);
 		error = edata->message != NULL ? edata->message : pstrdup("unknown error");
 	}
@@ -1001,20 +1082,43 @@ try_publish(const Candidate *candidate, MemoryContext keep)
 }
 
 /*
- * Append the candidates of the last statement to the array, copying what the
- * loop needs out of SPI's result before more SQL runs.
+ * The candidates of a batch, in an array that grows as the statements return
+ * them: what a batch holds is what is pending, however large the batch size
+ * and however many topics are routed (the size is a limit per routed topic,
+ * and allocating for it up front once asked for publish_batch_size times the
+ * topics, over a gigabyte at the largest size and 1500 topics).
+ */
+typedef struct CandidateList
+{
+	Candidate  *items;
+	uint64		count;
+	uint64		capacity;
+	MemoryContext context;
+} CandidateList;
+
+/*
+ * Append the rows of the last statement to the list, copying what the loop
+ * needs out of SPI's result before more SQL runs, and free that result.
  */
 static void
-copy_candidates(uint64 count, Candidate *candidates, uint64 *ncandidates,
-				MemoryContext keep)
+copy_candidates(uint64 count, CandidateList *list)
 {
 	TupleDesc	desc = SPI_tuptable->tupdesc;
-	MemoryContext spi_context = MemoryContextSwitchTo(keep);
+	MemoryContext spi_context = MemoryContextSwitchTo(list->context);
 
+	if (list->count + count > list->capacity)
+	{
+		uint64		capacity = Max(Max(list->capacity * 2, list->count + count), 16);
+
+		list->items = list->items == NULL ?
+			MemoryContextAllocHuge(list->context, sizeof(Candidate) * capacity) :
+			repalloc_huge(list->items, sizeof(Candidate) * capacity);
+		list->capacity = capacity;
+	}
 	for (uint64 i = 0; i < count; i++)
 	{
 		HeapTuple	tuple = SPI_tuptable->vals[i];
-		Candidate  *candidate = &candidates[(*ncandidates)++];
+		Candidate  *candidate = &list->items[list->count++];
 		bool		isnull;
 
 		candidate->event = datumCopy(SPI_getbinval(tuple, desc, CANDIDATE_EVENT, &isnull),
@@ -1032,6 +1136,96 @@ copy_candidates(uint64 count, Candidate *candidates, uint64 *ncandidates,
 		candidate->has_previous = !isnull;
 	}
 	MemoryContextSwitchTo(spi_context);
+	/* the next topic's rows must not pile up on top of these */
+	SPI_freetuptable(SPI_tuptable);
+}
+
+/* Record a failed attempt of a pending row: backoff, or dead. */
+static void
+record_failed_attempt(int64 id, const char *error, TimestampTz now)
+{
+	Datum		values[6];
+
+	values[0] = Int64GetDatum(id);
+	values[1] = CStringGetTextDatum(error);
+	values[2] = TimestampTzGetDatum(now);
+	values[3] = Int32GetDatum(idem_outbox_max_attempts);
+	values[4] = Int32GetDatum(idem_outbox_backoff_min_ms);
+	values[5] = Int32GetDatum(Max(idem_outbox_backoff_min_ms, idem_outbox_backoff_max_ms));
+	outbox_sql_run(STMT_PUBLISH_FAILED, values, NULL);
+}
+
+/*
+ * Publish the candidates, in the current transaction (see
+ * outbox_publish_batch), and mark those published.  *started, if given, is
+ * set before the first publication begins.
+ */
+static void
+publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
+				   volatile bool *started, uint64 *published_count, uint64 *failed_count)
+{
+	int64	   *published = MemoryContextAllocHuge(list->context,
+												   sizeof(int64) * Max(list->count, 1));
+	uint64		npublished = 0;
+
+	for (uint64 i = 0; i < list->count; i++)
+	{
+		Candidate  *candidate = &list->items[i];
+		char	   *error;
+
+		CHECK_FOR_INTERRUPTS();
+
+		/* an earlier row of its key is still unpublished: it waits */
+		if (candidate->has_previous &&
+			!published_earlier(published, npublished, candidate->previous_id))
+			continue;
+
+		/*
+		 * The fast way publishes straight into the batch's transaction: an
+		 * ERROR aborts the whole batch, nothing of it is published, and the
+		 * caller tries again carefully.  The careful way gives each row a
+		 * subtransaction, so that a failure undoes only that row's attempt.
+		 */
+		if (started != NULL)
+			*started = true;
+		if (careful)
+			error = try_publish(candidate, list->context);
+		else
+		{
+			publish_one(candidate);
+			error = NULL;
+		}
+		if (error == NULL)
+		{
+			published[npublished++] = candidate->id;
+			continue;
+		}
+
+		ereport(LOG,
+				(errmsg("idempotency: outbox row %lld could not be published to %s \"%s\": %s",
+						(long long) candidate->id, candidate->target,
+						candidate->destination != NULL ? candidate->destination : "",
+						error)));
+		record_failed_attempt(candidate->id, error, now);
+		(*failed_count)++;
+	}
+
+	if (npublished > 0)
+	{
+		Datum	   *ids = palloc(sizeof(Datum) * npublished);
+		Datum		values[2];
+
+		for (uint64 i = 0; i < npublished; i++)
+			ids[i] = Int64GetDatum(published[i]);
+		values[0] = PointerGetDatum(construct_array(ids, (int) npublished, INT8OID,
+													sizeof(int64), FLOAT8PASSBYVAL,
+													TYPALIGN_DOUBLE));
+		values[1] = TimestampTzGetDatum(now);
+		outbox_sql_run(idem_outbox_retention_s == 0 ?
+					   STMT_MARK_PUBLISHED_DELETE : STMT_MARK_PUBLISHED_KEEP,
+					   values, NULL);
+	}
+	*published_count = npublished;
 }
 
 /*
@@ -1041,23 +1235,27 @@ copy_candidates(uint64 count, Candidate *candidates, uint64 *ncandidates,
  * happens exactly once even if the server stops in between.  Carefully,
  * each row in a subtransaction of its own, rows whose route fails are
  * recorded and retried later with backoff, held back with the rest of their
- * key; otherwise a failure raises the ERROR and the caller retries carefully.  Returns the number of candidates looked at (limit means there
- * may be more); *published and *failed say what came of them.
+ * key; otherwise a failure raises the ERROR and the caller retries
+ * carefully.  limit applies to each routed topic when there is no default
+ * route.  Returns the number of candidates looked at (limit means there may
+ * be more); *published and *failed say what came of them.  With tried, the
+ * candidates' ids are left there, in tried_context, which must outlive the
+ * transaction: if the batch fails all the same (the function got away with
+ * something that makes the batch fail after its subtransaction, or at
+ * commit), the caller publishes them one by one (outbox_publish_row).
  */
 uint64
 outbox_publish_batch(TimestampTz now, int limit, bool careful,
-					 uint64 *published_count, uint64 *failed_count)
+					 uint64 *published_count, uint64 *failed_count,
+					 OutboxRowIds *tried)
 {
-	MemoryContext batch_context = CurrentMemoryContext;
 	OutboxSqlContext context;
-	Datum		values[6];
-	char		nulls[6] = {' ', ' ', ' ', ' ', ' ', ' '};
-	Candidate  *candidates;
-	int64	   *published;
-	int			npublished = 0;
-	uint64		ncandidates = 0;
+	Datum		values[3];
+	CandidateList list = {NULL, 0, 0, CurrentMemoryContext};
 
 	*published_count = *failed_count = 0;
+	if (tried != NULL)
+		tried->count = 0;
 	outbox_sql_begin(&context);
 
 	/*
@@ -1093,7 +1291,6 @@ outbox_publish_batch(TimestampTz now, int limit, bool careful,
 			outbox_sql_end(&context);
 			return 0;
 		}
-		candidates = MemoryContextAlloc(batch_context, sizeof(Candidate) * limit * Max(nrouted, 1));
 		values[0] = TimestampTzGetDatum(now);
 		values[1] = Int32GetDatum(limit);
 		if (default_routed)
@@ -1101,7 +1298,7 @@ outbox_publish_batch(TimestampTz now, int limit, bool careful,
 			values[2] = PointerGetDatum(construct_array(unrouted, nunrouted, TEXTOID,
 														-1, false, TYPALIGN_INT));
 			copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATES_EXCEPT, values, NULL),
-							candidates, &ncandidates, batch_context);
+							&list);
 		}
 		else
 		{
@@ -1109,75 +1306,79 @@ outbox_publish_batch(TimestampTz now, int limit, bool careful,
 			{
 				values[2] = routed[t];
 				copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATES_TOPIC, values, NULL),
-								candidates, &ncandidates, batch_context);
+								&list);
 			}
 		}
 	}
-	published = MemoryContextAlloc(batch_context, sizeof(int64) * Max(ncandidates, 1));
 
-	for (uint64 i = 0; i < ncandidates; i++)
+	if (tried != NULL && list.count > 0)
 	{
-		Candidate  *candidate = &candidates[i];
-		char	   *error;
-
-		CHECK_FOR_INTERRUPTS();
-
-		/* an earlier row of its key is still unpublished: it waits */
-		if (candidate->has_previous &&
-			!published_earlier(published, npublished, candidate->previous_id))
-			continue;
-
-		/*
-		 * The fast way publishes straight into the batch's transaction: an
-		 * ERROR aborts the whole batch, nothing of it is published, and the
-		 * caller tries again carefully.  The careful way gives each row a
-		 * subtransaction, so that a failure undoes only that row's attempt.
-		 */
-		if (careful)
-			error = try_publish(candidate, batch_context);
-		else
+		if (list.count > tried->capacity)
 		{
-			publish_one(candidate);
-			error = NULL;
+			if (tried->ids != NULL)
+				pfree(tried->ids);
+			tried->ids = MemoryContextAllocHuge(tried->context, sizeof(int64) * list.count);
+			tried->capacity = list.count;
 		}
-		if (error == NULL)
-		{
-			published[npublished++] = candidate->id;
-			continue;
-		}
-
-		ereport(LOG,
-				(errmsg("idempotency: outbox row %lld could not be published to %s \"%s\": %s",
-						(long long) candidate->id, candidate->target,
-						candidate->destination, error)));
-		values[0] = Int64GetDatum(candidate->id);
-		values[1] = CStringGetTextDatum(error);
-		values[2] = TimestampTzGetDatum(now);
-		values[3] = Int32GetDatum(idem_outbox_max_attempts);
-		values[4] = Int32GetDatum(idem_outbox_backoff_min_ms);
-		values[5] = Int32GetDatum(Max(idem_outbox_backoff_min_ms, idem_outbox_backoff_max_ms));
-		outbox_sql_run(STMT_PUBLISH_FAILED, values, nulls);
-		(*failed_count)++;
+		for (uint64 i = 0; i < list.count; i++)
+			tried->ids[i] = list.items[i].id;
+		tried->count = list.count;
 	}
 
-	if (npublished > 0)
-	{
-		Datum	   *ids = palloc(sizeof(Datum) * npublished);
-
-		for (int i = 0; i < npublished; i++)
-			ids[i] = Int64GetDatum(published[i]);
-		values[0] = PointerGetDatum(construct_array(ids, npublished, INT8OID,
-													sizeof(int64), FLOAT8PASSBYVAL,
-													TYPALIGN_DOUBLE));
-		values[1] = TimestampTzGetDatum(now);
-		outbox_sql_run(idem_outbox_retention_s == 0 ?
-					   STMT_MARK_PUBLISHED_DELETE : STMT_MARK_PUBLISHED_KEEP,
-					   values, NULL);
-	}
-
+	publish_candidates(&list, now, careful, NULL, published_count, failed_count);
 	outbox_sql_end(&context);
-	*published_count = npublished;
-	return ncandidates;
+	return list.count;
+}
+
+/*
+ * Publish one row, by id, carefully, in the current transaction, if it is
+ * still a candidate and no earlier row of its key is unpublished: one of the
+ * rows of a careful batch that failed as a whole, each given a transaction
+ * of its own.  *started is set once its publication begins: a failure of the
+ * transaction before that is not the row's (see outbox_record_failure).
+ * Returns whether it was a candidate.
+ */
+bool
+outbox_publish_row(TimestampTz now, int64 id, volatile bool *started,
+				   uint64 *published_count, uint64 *failed_count)
+{
+	OutboxSqlContext context;
+	Datum		values[3];
+	CandidateList list = {NULL, 0, 0, CurrentMemoryContext};
+
+	*published_count = *failed_count = 0;
+	*started = false;
+	outbox_sql_begin(&context);
+	values[0] = TimestampTzGetDatum(now);
+	values[1] = Int32GetDatum(1);
+	values[2] = Int64GetDatum(id);
+	copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATE_ROW, values, NULL), &list);
+	publish_candidates(&list, now, true, started, published_count, failed_count);
+	outbox_sql_end(&context);
+	return list.count > 0;
+}
+
+/*
+ * Record a failed attempt of a row whose own transaction failed (see
+ * outbox_publish_row), in a transaction that has not tried to publish it:
+ * its attempts count up, with the error, a backoff, and after
+ * idempotency.outbox_max_attempts, dead.  Returns whether the row was still
+ * pending.
+ */
+bool
+outbox_record_failure(TimestampTz now, int64 id, const char *error)
+{
+	OutboxSqlContext context;
+	bool		recorded;
+
+	ereport(LOG,
+			(errmsg("idempotency: outbox row %lld could not be published: its transaction failed: %s",
+					(long long) id, error)));
+	outbox_sql_begin(&context);
+	record_failed_attempt(id, error, now);
+	recorded = SPI_processed > 0;
+	outbox_sql_end(&context);
+	return recorded;
 }
 
 /*

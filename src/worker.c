@@ -470,7 +470,8 @@ report_and_abort(void)
 /*
  * One batch of one kind of work, in a transaction of its own.  An ERROR is
  * reported and swallowed: the work is tried again next round.  Returns
- * whether another batch has work to do.
+ * whether another batch has work to do.  (Publishing has run_publish_batch,
+ * which goes on after an ERROR.)
  */
 static bool
 run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
@@ -506,9 +507,7 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	PG_CATCH();
 	{
 		report_and_abort();
-
-		/* a publish batch that failed the fast way is retried carefully at once */
-		more = unit == UNIT_PUBLISH && cursor->last_publish_was_fast;
+		more = false;
 	}
 	PG_END_TRY();
 
@@ -520,11 +519,102 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	return more;
 }
 
+/*
+ * Record, in a transaction of its own, the failed attempt of the row whose
+ * own transaction failed with error (see maintenance_publish_failed): that
+ * transaction's record of it was undone with the rest.  Returns whether it
+ * was recorded.
+ */
+static bool
+blame_row(MaintenanceCursor *cursor, const char *error)
+{
+	MaintenanceCounts counts;
+	volatile bool recorded = false;
+
+	memset(&counts, 0, sizeof(counts));
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	PG_TRY();
+	{
+		recorded = maintenance_publish_blame(cursor, error, &counts);
+		PopActiveSnapshot();
+		count_own_xid();
+		CommitTransactionCommand();
+	}
+	PG_CATCH();
+	{
+		report_and_abort();
+		recorded = false;
+	}
+	PG_END_TRY();
+	return recorded;
+}
+
+/*
+ * One publish batch, in a transaction of its own, the way the cursor says
+ * (see PublishWay).  An ERROR is reported, and the next way is tried at
+ * once: a batch that failed the fast way is done again carefully, one that
+ * failed carefully row by row, and a row that fails alone has its failed
+ * attempt recorded in another transaction, so that no row is tried for
+ * ever with its attempts at 0 while the database's other rows wait.  A
+ * cancel, a shutdown or no memory stops publishing until the next round.
+ * Returns whether another batch has work to do.
+ */
+static bool
+run_publish_batch(MaintenanceCursor *cursor)
+{
+	MemoryContext context = CurrentMemoryContext;
+	MaintenanceCounts counts;
+	ErrorData  *volatile error = NULL;
+	volatile bool more = false;
+	bool		blame;
+
+	memset(&counts, 0, sizeof(counts));
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	pgstat_report_activity(STATE_RUNNING, maintenance_unit_names[UNIT_PUBLISH]);
+
+	PG_TRY();
+	{
+		more = maintenance_batch(UNIT_PUBLISH, cursor, &counts);
+		PopActiveSnapshot();
+		count_own_xid();
+		CommitTransactionCommand();
+	}
+	PG_CATCH();
+	{
+		/* report_and_abort, keeping the error (out of the transaction's memory) */
+		HOLD_INTERRUPTS();
+		count_own_xid();
+		MemoryContextSwitchTo(context);
+		error = CopyErrorData();
+		EmitErrorReport();
+		AbortCurrentTransaction();
+		FlushErrorState();
+		RESUME_INTERRUPTS();
+	}
+	PG_END_TRY();
+
+	if (error != NULL)
+	{
+		more = maintenance_publish_failed(cursor, error, &blame);
+		if (blame && blame_row(cursor, error->message))
+			more = true;
+		FreeErrorData(error);
+	}
+
+	pgstat_report_stat(false);
+	pgstat_report_activity(STATE_IDLE, NULL);
+	return more;
+}
+
 /* Publish until nothing is ready. */
 static void
 publish_all(MaintenanceCursor *cursor)
 {
-	while (run_batch(UNIT_PUBLISH, cursor))
+	while (run_publish_batch(cursor))
 		CHECK_FOR_INTERRUPTS();
 }
 
