@@ -4,8 +4,10 @@
 #               (pg_regress, isolation, TAP) against temporary instances
 #   make demo   a tour of the extension on a throwaway cluster
 #   make bench  the benchmarks, side by side with plain SQL (not a test)
+#   make test-matrix  make test on Debian bookworm, trixie and sid (PostgreSQL
+#               15, 17, 18), each in a chroot of its own (scripts/matrix.sh)
 #
-# All are scripts under scripts/; the rest of this file is a plain PGXS
+# They are scripts under scripts/; the rest of this file is a plain PGXS
 # build.  PG_CONFIG picks the server version (default: the newest installed
 # under /usr/lib/postgresql, else the pg_config on the PATH).
 
@@ -67,7 +69,7 @@ endif
 # with --enable-depend: rebuild every object when any header changes.
 $(OBJS): $(wildcard src/*.h)
 
-.PHONY: test demo bench check-regress check-isolation check-tap check-examples check-installcheck
+.PHONY: test demo bench test-matrix check-regress check-isolation check-tap check-examples check-installcheck
 
 # The scripts pick the server version themselves (scripts/common.sh): a
 # PG_CONFIG or PG_MAJOR given on make's command line or in the environment
@@ -82,6 +84,10 @@ demo:
 
 bench:
 	scripts/bench.sh
+
+# MATRIX="17 18" (or suite names) picks a subset
+test-matrix:
+	scripts/matrix.sh
 
 # The three suites one by one, against the installed extension; scripts/test.sh
 # runs all of them and reports each.

@@ -1,0 +1,242 @@
+#!/usr/bin/env bash
+#
+# make test-matrix: the whole "make test" on each Debian release's own
+# PostgreSQL, in a chroot per release, one after the other:
+#
+#   bookworm  PostgreSQL 15
+#   trixie    PostgreSQL 17
+#   sid       PostgreSQL 18
+#
+# MATRIX="17 18", or arguments (versions or release names), pick a subset.
+# Then "make check-deb" as well, when the Makefile has that target (the
+# Debian package, built, installed and checked), as a part of its own.
+# Prints a line per release at the end, with the end of each failing part's
+# log, and exits non-zero if any part failed.  Runs as root.
+#
+# Each chroot is a "debootstrap --variant=minbase" in MATRIX_CACHE
+# (/var/cache/idempotency-matrix/<release>), made on first use and reused
+# after: every run finishes setting it up again, each step idempotent, and
+# make test installs the release's PostgreSQL there itself (scripts/deps.sh),
+# as it would on a fresh system.  The logs are kept there too, a file per
+# release and part.  The unusual steps:
+#
+#   - proc, sys, /dev, /dev/pts and a tmpfs on /dev/shm (the servers' dynamic
+#     shared memory) are mounted for the run and unmounted on every way out;
+#     a run that was killed left its mounts, and processes, behind: the next
+#     one ends those processes (by their root, which is the chroot) and
+#     unmounts before it starts, as it does when it stops.  Long steps run in
+#     the background, waited for, so that a signal stops the run at once.
+#   - the host's own trusted certificate authorities are copied in: npm
+#     reaches its registry through whatever the host trusts.
+#   - /usr/sbin/policy-rc.d exits 101, so that installing postgresql-NN does
+#     not start its cluster (nor anything else start a service).
+#   - sid's Release file says how long it is valid, which a mirror's copy
+#     may outlive: apt is told not to check.
+#   - the checkout goes in as git sees it, tracked files and new ones but
+#     nothing ignored: built objects of the host's version must not come
+#     along, and .git, results and node_modules are not needed.
+#
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cache=${MATRIX_CACHE:-/var/cache/idempotency-matrix}
+mirror=http://deb.debian.org/debian
+releases=(bookworm:15 trixie:17 sid:18)
+
+if [ "$(id -u)" -ne 0 ]; then
+	echo "make test-matrix runs as root (debootstrap, mount, chroot)" >&2
+	exit 1
+fi
+
+# which releases: MATRIX or the arguments, as versions or names
+want=${*:-${MATRIX:-}}
+picked=()
+for release in "${releases[@]}"; do
+	if [ -z "$want" ] || [[ " $want " == *" ${release%:*} "* ]] || [[ " $want " == *" ${release#*:} "* ]]; then
+		picked+=("$release")
+	fi
+done
+if [ ${#picked[@]} -eq 0 ]; then
+	echo "MATRIX=\"$want\" names none of: ${releases[*]}" >&2
+	exit 1
+fi
+
+command -v debootstrap >/dev/null || {
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
+}
+mkdir -p "$cache"
+cache=$(realpath "$cache")
+
+root= # the chroot in use, for cleanup
+child= # the step running in the background
+
+# End what runs in the chroot (only this script starts anything there) and
+# unmount everything under it, innermost first.
+release_chroot() {
+	local dir=$1 proc mounts mount
+	for proc in /proc/[0-9]*; do
+		if [ "$(readlink "$proc/root" 2>/dev/null)" = "$dir" ]; then
+			kill -KILL "${proc#/proc/}" 2>/dev/null || true # gone meanwhile
+		fi
+	done
+	mounts=$(awk -v dir="$dir" '$2 == dir || index($2, dir "/") == 1 { print $2 }' /proc/self/mounts | tac)
+	for mount in $mounts; do
+		# a process killed just now may not have let go yet: detach it then
+		umount "$mount" 2>/dev/null || umount --lazy "$mount"
+	done
+	return 0
+}
+
+cleanup() {
+	[ -n "$child" ] && kill "$child" 2>/dev/null
+	[ -n "$root" ] && release_chroot "$root"
+	[ -n "$root" ] && release_chroot "$root.new"
+	return 0
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM HUP
+
+# background LOG COMMAND..., then waited: its status.  Started outside any
+# "if", or errexit would be off for the whole of it.
+background() {
+	local log=$1
+	shift
+	"$@" >"$log" 2>&1 &
+	child=$!
+}
+waited() {
+	local status=0
+	wait "$child" || status=$?
+	child=
+	return $status
+}
+
+in_chroot() {
+	chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb \
+		PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+		DEBIAN_FRONTEND=noninteractive /bin/bash -c "$1"
+}
+
+# A finished debootstrap removes its own work directory, /debootstrap; one
+# that was stopped halfway is started again from nothing, in $root.new.
+# (release_chroot has unmounted everything under both, or failed.)
+make_chroot() {
+	local suite=$1
+	[ -x "$root/usr/bin/apt-get" ] && [ ! -e "$root/debootstrap" ] && return 0
+	rm -rf "$root" "$root.new"
+	debootstrap --variant=minbase "$suite" "$root.new" "$mirror"
+	mv "$root.new" "$root"
+}
+
+setup_chroot() {
+	local suite=$1
+	make_chroot "$suite"
+
+	mount -t proc proc "$root/proc"
+	mount --bind /sys "$root/sys"
+	mount --bind /dev "$root/dev"
+	mount --bind /dev/pts "$root/dev/pts"
+	mount -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"
+
+	cp /etc/resolv.conf "$root/etc/resolv.conf"
+	printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
+	chmod 755 "$root/usr/sbin/policy-rc.d"
+	{
+		echo "deb $mirror $suite main"
+		if [ "$suite" != sid ]; then
+			echo "deb $mirror $suite-updates main"
+			echo "deb ${mirror}-security $suite-security main"
+		fi
+	} >"$root/etc/apt/sources.list"
+	if [ "$suite" = sid ]; then
+		echo 'Acquire::Check-Valid-Until "false";' >"$root/etc/apt/apt.conf.d/99idempotency-matrix"
+	fi
+	if [ -d /usr/local/share/ca-certificates ]; then
+		mkdir -p "$root/usr/local/share/ca-certificates"
+		cp -R /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
+	fi
+
+	# dpkg --configure -a: what a run killed halfway through apt left
+	in_chroot 'dpkg --configure -a && apt-get update -qq &&
+		apt-get install -y -qq --no-install-recommends ca-certificates make >/dev/null &&
+		update-ca-certificates >/dev/null'
+
+	rm -rf "$root/root/idempotency"
+	mkdir "$root/root/idempotency"
+	git ls-files -z -co --exclude-standard |
+		while IFS= read -r -d '' file; do
+			# a tracked file deleted in the work tree is not there to copy
+			if [ -e "$file" ] || [ -L "$file" ]; then printf '%s\0' "$file"; fi
+		done |
+		tar --null -T - -cf - | tar -C "$root/root/idempotency" -xf -
+}
+
+elapsed() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
+
+summary=()
+failures=()
+for release in "${picked[@]}"; do
+	suite=${release%:*}
+	major=${release#*:}
+	root=$cache/$suite
+	release_chroot "$root"
+	release_chroot "$root.new"
+	echo "== $suite (PostgreSQL $major): logs in $cache/$suite.*.log"
+
+	start=$SECONDS
+	background "$cache/$suite.setup.log" setup_chroot "$suite"
+	if ! waited; then
+		summary+=("PostgreSQL $major ($suite): setup FAILED ($(elapsed $((SECONDS - start))))")
+		failures+=("$cache/$suite.setup.log")
+		release_chroot "$root"
+		continue
+	fi
+	line="setup $(elapsed $((SECONDS - start)))"
+
+	start=$SECONDS
+	background "$cache/$suite.test.log" in_chroot 'cd /root/idempotency && make test'
+	if waited; then
+		line+=", test passed"
+	else
+		line+=", test FAILED"
+		failures+=("$cache/$suite.test.log")
+	fi
+	line+=" ($(elapsed $((SECONDS - start))))"
+
+	if grep -q '^check-deb[[:space:]]*:' Makefile; then
+		start=$SECONDS
+		background "$cache/$suite.check-deb.log" in_chroot 'cd /root/idempotency && make check-deb'
+		if waited; then
+			line+=", check-deb passed"
+		else
+			line+=", check-deb FAILED"
+			failures+=("$cache/$suite.check-deb.log")
+		fi
+		line+=" ($(elapsed $((SECONDS - start))))"
+	fi
+
+	# the version make test picked and installed, the release's default
+	version=$(in_chroot 'for c in /usr/lib/postgresql/*/bin/pg_config; do "$c" --version; done' 2>/dev/null |
+		sort -V | tail -n 1 | awk '{ print $2 }')
+	summary+=("PostgreSQL ${version:-$major} ($suite): $line")
+	release_chroot "$root"
+done
+root=
+
+# what failed: the failing tests and errors, the first changed lines of
+# each diff, then the log's last lines
+for log in "${failures[@]}"; do
+	echo
+	echo "-- $log"
+	awk '/^[^-+ @]/ { changed = 0 }
+		/^diff / { print; changed = 6; next }
+		changed > 0 && /^[-+][^-+]/ { print; changed--; next }
+		/^not ok|Failed test|Bail out|FAILED|[Ee]rror:/ { print }' "$log" | head -n 60
+	echo "   ..."
+	tail -n 6 "$log"
+done
+echo
+echo "== matrix"
+printf '%s\n' "${summary[@]}"
+[ ${#failures[@]} -eq 0 ]
