@@ -19,8 +19,20 @@ use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use Time::HiRes qw(usleep);
 
 my $max_attempts = 3;
+
+# A route function that drops the extension takes ACCESS EXCLUSIVE locks on
+# its objects before its failure undoes the drop, so a query of the test's
+# on the outbox meanwhile can deadlock with the worker.  The test's sessions
+# wait for no lock longer than 100 ms, and look for a deadlock after 10 ms,
+# well before the worker does (after the default second): whichever way the
+# locks cross, the test's query is the one that fails, and is tried again
+# (poll_query_until), and the worker's attempt fails for what its function
+# did, never for a deadlock.
+$ENV{PGOPTIONS} = '-c lock_timeout=100ms -c deadlock_timeout=10ms';
+
 my $node = PostgreSQL::Test::Cluster->new('hostile');
 $node->init;
 # outbox_retention keeps published rows, so that a test can see them
@@ -100,14 +112,30 @@ sub dead
 		"SELECT state = 'dead' FROM idempotency.outbox WHERE topic = '$topic' ORDER BY id LIMIT 1");
 }
 
+# A query's result, tried again while it fails (its lock timing out: see
+# PGOPTIONS above), which it may do only while a worker whose fix is
+# missing is still at a hostile row.
+sub query_retrying
+{
+	my ($db, $sql) = @_;
+	my $result;
+	foreach (1 .. 10 * $PostgreSQL::Test::Utils::timeout_default)
+	{
+		return $result if defined($result = eval { $node->safe_psql($db, $sql) });
+		usleep(100_000);
+	}
+	die "query failed all along: $sql";
+}
+
 sub first_row
 {
 	my ($db, $topic) = @_;
-	return $node->safe_psql($db,
+	return query_retrying($db,
 		"SELECT state || ' ' || attempts || ' ' || coalesce(last_error, '') FROM idempotency.outbox WHERE topic = '$topic' ORDER BY id LIMIT 1");
 }
 
-# A hostile topic's row and a good topic's rows, enqueued together; the good
+# A hostile topic's row and a good topic's rows, enqueued together (one
+# commit, so that the worker starts on them once all are there); the good
 # ones must go out while the hostile one fails its attempts to dead, with
 # last_error matching $error; the same worker serves throughout.
 sub hostile_route
@@ -117,19 +145,30 @@ sub hostile_route
 	my $good = "good_$topic";
 
 	$node->safe_psql('postgres', qq{
+		BEGIN;
 		SELECT idempotency.idem_outbox_route('$topic', 'function', '$args{function}');
 		SELECT idempotency.idem_outbox_route('$good', 'function', 'sink_it');
 		SELECT idempotency.idem_outbox_enqueue('$topic', '{}', 'k');
 		SELECT idempotency.idem_outbox_enqueue('$good', jsonb_build_object('n', n), 'k' || n)
 		FROM generate_series(1, 5) n;
+		COMMIT;
 	});
 	ok(published('postgres', $good), "$args{what}: another topic's rows are published meanwhile");
 	ok(dead('postgres', $topic), "$args{what}: the row goes dead");
 	like(first_row('postgres', $topic), qr/^dead $max_attempts $args{error}/,
 		"$args{what}: after $max_attempts attempts, with its error");
 	is(worker_pids(), $worker_pid, "$args{what}: the same worker serves, and only it");
-	# whatever came of it, the rows of later sections must not wait for it
-	$node->safe_psql('postgres', "SELECT idempotency.idem_outbox_route('$topic', 'none')");
+	stop_route($topic);
+}
+
+# Whatever came of a section, the rows of later ones must not wait for its
+# route (tried again: a worker still at it may hold the routes' lock)
+sub stop_route
+{
+	my ($topic) = @_;
+	$node->poll_query_until('postgres',
+		"SELECT count(*) = 1 FROM (SELECT idempotency.idem_outbox_route('$topic', 'none')) r")
+	  or die "could not route $topic to none";
 }
 
 # --- a function that raises
@@ -171,17 +210,19 @@ hostile_route(
 	topic => 'truncates',
 	function => 'truncate_outbox',
 	error => qr/route function public\.truncate_outbox\(idempotency\.outbox\) truncated or rewrote table idempotency\.outbox/);
-is($node->safe_psql('postgres', q{
+is(query_retrying('postgres', q{
 		SELECT state || ' ' || (payload = '{"keep": "me"}') FROM idempotency.outbox WHERE topic = 'for_relay'}),
 	'pending true', 'TRUNCATE of the outbox in the function: a row no batch held is still there');
 
 # --- a function that drops the table it writes: its first row goes out
 # (insert and drop commit with the row's mark), the next has no table left
 $node->safe_psql('postgres', q{
+	BEGIN;
 	SELECT idempotency.idem_outbox_route('drops_sink', 'function', 'sink_and_drop');
 	SELECT idempotency.idem_outbox_enqueue('drops_sink', jsonb_build_object('n', n), 'k')
 	FROM generate_series(1, 2) n;
 	SELECT idempotency.idem_outbox_enqueue('good', '{"after": "drops_sink"}');
+	COMMIT;
 });
 ok( $node->poll_query_until('postgres', q{
 		SELECT string_agg(state, ' ' ORDER BY id) = 'published dead'
@@ -195,7 +236,7 @@ like(
 	'DROP TABLE of its sink in the function: the next row failed for want of the table');
 ok(published('postgres', 'good'), 'DROP TABLE of its sink in the function: other rows go out');
 is(worker_pids(), $worker_pid, 'DROP TABLE of its sink in the function: the same worker serves');
-$node->safe_psql('postgres', "SELECT idempotency.idem_outbox_route('drops_sink', 'none')");
+stop_route('drops_sink');
 
 # --- a function whose work makes the batch fail after the row's
 # subtransaction (the published mark overflows attempts): the careful batch
@@ -216,11 +257,13 @@ ok($node->log_contains(qr/outbox row \d+ could not be published: its transaction
 # database.
 $node->safe_psql('postgres', q{
 	ALTER TABLE idempotency.outbox_routes DROP CONSTRAINT IF EXISTS outbox_routes_destination_check;
+	BEGIN;
 	INSERT INTO idempotency.outbox_routes VALUES ('n', 'notify', NULL);
 	INSERT INTO idempotency.outbox_routes VALUES ('l', 'logical', NULL);
 	INSERT INTO idempotency.outbox_routes VALUES ('f', 'function', NULL);
 	SELECT idempotency.idem_outbox_enqueue(t, '{}') FROM unnest(ARRAY['n', 'l', 'f']) t;
 	SELECT idempotency.idem_outbox_enqueue('good', '{"after": "no destination"}');
+	COMMIT;
 });
 foreach my $route ([ 'n', 'notify' ], [ 'l', 'logical' ], [ 'f', 'function' ])
 {
@@ -231,8 +274,7 @@ foreach my $route ([ 'n', 'notify' ], [ 'l', 'logical' ], [ 'f', 'function' ])
 		"a $target route with no destination: its attempts counted, with the reason");
 }
 ok(published('postgres', 'good'), 'routes with no destination: other rows go out');
-$node->safe_psql('postgres',
-	"UPDATE idempotency.outbox_routes SET target = 'none' WHERE topic IN ('n', 'l', 'f')");
+stop_route($_) foreach ('n', 'l', 'f');
 
 # --- idem_run_maintenance, where no worker runs: a row whose function drops
 # the extension, and one whose failure comes after its subtransaction, are
