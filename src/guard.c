@@ -26,6 +26,7 @@
 #include "catalog/pg_proc.h"
 #include "catalog/dependency.h"
 #include "commands/extension.h"
+#include "miscadmin.h"
 #include "nodes/parsenodes.h"
 #include "parser/parse_func.h"
 #include "utils/formatting.h"
@@ -213,6 +214,27 @@ check_alter_function(AlterFunctionStmt *stmt)
 	}
 }
 
+/*
+ * DROP EXTENSION idempotency from inside a restricted operation: a route's
+ * function, which the worker calls with the outbox row it publishes still to
+ * be marked (outbox.c would refuse the attempt afterwards; refusing here
+ * spares the drop's locks on every table of the extension meanwhile).
+ */
+static void
+check_drop_extension(DropStmt *stmt)
+{
+	ListCell   *lc;
+
+	if (stmt->removeType != OBJECT_EXTENSION || !InSecurityRestrictedOperation())
+		return;
+	foreach(lc, stmt->objects)
+		if (strcmp(strVal(lfirst(lc)), "idempotency") == 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
+					 errmsg("cannot drop extension \"idempotency\" during a restricted operation"),
+					 errdetail("A route's function runs as one, while the worker publishes a row of the outbox.")));
+}
+
 void
 idem_guard_utility(Node *statement)
 {
@@ -287,6 +309,9 @@ idem_guard_utility(Node *statement)
 			break;
 		case T_AlterFunctionStmt:
 			check_alter_function((AlterFunctionStmt *) statement);
+			break;
+		case T_DropStmt:
+			check_drop_extension((DropStmt *) statement);
 			break;
 		default:
 			break;

@@ -53,6 +53,7 @@
 #include "access/transam.h"
 #include "access/xact.h"
 #include "catalog/pg_database.h"
+#include "catalog/pg_extension.h"
 #include "commands/dbcommands.h"
 #include "commands/extension.h"
 #include "commands/vacuum.h"
@@ -65,6 +66,7 @@
 #include "postmaster/interrupt.h"
 #include "storage/ipc.h"
 #include "storage/latch.h"
+#include "storage/lmgr.h"
 #include "storage/lwlock.h"
 #include "storage/procarray.h"
 #include "tcop/tcopprot.h"
@@ -439,6 +441,32 @@ extension_installed(void)
 }
 
 /*
+ * Hold the extension for the rest of this transaction, before touching any
+ * of its tables.  DROP EXTENSION locks the extension before it drops a
+ * member, in an order of its own (keys first); the worker's statements lock
+ * the outbox and the routes.  With the extension's lock taken first on both
+ * sides, a drop and a unit of work wait for one another in that order and
+ * never deadlock.  The extension is looked up again once the lock is ours:
+ * a drop that committed meanwhile has removed it, and the unit ends in an
+ * ERROR, after which the main loop sees the extension gone and leaves.
+ */
+static void
+lock_extension(void)
+{
+	Oid			extension = get_extension_oid("idempotency", true);
+
+	if (OidIsValid(extension))
+	{
+		LockDatabaseObject(ExtensionRelationId, extension, 0, AccessShareLock);
+		if (get_extension_oid("idempotency", true) == extension)
+			return;
+	}
+	ereport(ERROR,
+			(errcode(ERRCODE_UNDEFINED_OBJECT),
+			 errmsg("extension \"idempotency\" is no longer installed in this database")));
+}
+
+/*
  * Transaction IDs the worker's own transactions took since the last look at
  * whether other sessions write (see others_write).
  */
@@ -498,6 +526,7 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 
 	PG_TRY();
 	{
+		lock_extension();
 		(void) maintenance_prune(unit, cursor, false);
 		more = maintenance_batch(unit, cursor, &counts);
 		PopActiveSnapshot();
@@ -537,6 +566,7 @@ blame_row(MaintenanceCursor *cursor, const char *error)
 	PushActiveSnapshot(GetTransactionSnapshot());
 	PG_TRY();
 	{
+		lock_extension();
 		recorded = maintenance_publish_blame(cursor, error, &counts);
 		PopActiveSnapshot();
 		count_own_xid();
@@ -578,6 +608,7 @@ run_publish_batch(MaintenanceCursor *cursor)
 
 	PG_TRY();
 	{
+		lock_extension();
 		more = maintenance_batch(UNIT_PUBLISH, cursor, &counts);
 		PopActiveSnapshot();
 		count_own_xid();
@@ -891,6 +922,7 @@ prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	pgstat_report_activity(STATE_RUNNING, maintenance_unit_names[unit]);
 	PG_TRY();
 	{
+		lock_extension();
 		left = maintenance_prune(unit, cursor, true);
 		PopActiveSnapshot();
 		CommitTransactionCommand();
