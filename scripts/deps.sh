@@ -28,11 +28,13 @@ command -v python3 >/dev/null || missing+=(python3)
 # The integrations that make test drives for real (examples/, t/007, t/008):
 # the HTTP example (Debian's psycopg 3, for the system python3), the Node
 # consumer (Node.js and npm; packages come from the npm registry, pinned by
-# the example's lockfile), pgbouncer, and pg_cron.
+# the example's lockfile), pgbouncer, and pg_cron; and for the fuzz suite,
+# Debian's sqlsmith.
 /usr/bin/python3 -c 'import psycopg' 2>/dev/null || missing+=(python3-psycopg)
 command -v node >/dev/null || missing+=(nodejs)
 command -v npm >/dev/null || missing+=(npm)
 [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+command -v sqlsmith >/dev/null || missing+=(sqlsmith)
 [ -f "/usr/share/postgresql/$PG_MAJOR/extension/pg_cron.control" ] ||
 	missing+=("postgresql-$PG_MAJOR-cron")
 

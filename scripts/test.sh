@@ -10,6 +10,8 @@
 #   tap         prove, t/*.pl with PostgreSQL::Test::Cluster
 #   examples    examples/*/test.sh: real clients over real connections,
 #               directly and through pgbouncer (scripts/test-examples.sh)
+#   fuzz        hostile arguments to every function, and Debian's sqlsmith,
+#               bounded to about two minutes (scripts/check-fuzz.sh)
 #
 # Every suite runs even when an earlier one fails; the summary at the end
 # lists each, and the exit status is non-zero if any failed.  SUITES picks a
@@ -44,7 +46,7 @@ tar --exclude=./.git --exclude='./tmp_check*' --exclude=./results --exclude=./ou
 
 summary=()
 status=0
-for suite in ${SUITES:-installcheck tap examples}; do
+for suite in ${SUITES:-installcheck tap examples fuzz}; do
 	echo
 	echo "== $suite"
 	if as_runner make -C "$work" --no-print-directory PG_CONFIG="$PG_CONFIG" "check-$suite"; then
