@@ -41,22 +41,16 @@ cd "$(dirname "$0")/.."
 
 . scripts/common.sh
 
-# Debian's sqlsmith and psycopg 3 for the system python3: installed as root,
-# asked for otherwise
+# Debian's sqlsmith and psycopg 3 for the system python3: scripts/deps.sh
+# installs them as root (with the rest of make test's packages); anyone else
+# is told what to install
 prerequisites() {
-	local missing=()
-	command -v sqlsmith >/dev/null || missing+=(sqlsmith)
-	/usr/bin/python3 -c 'import psycopg' 2>/dev/null || missing+=(python3-psycopg)
-	[ ${#missing[@]} -eq 0 ] && return 0
-	if [ "$(id -u)" -ne 0 ]; then
-		echo "check-fuzz: missing packages: ${missing[*]}" >&2
-		echo "install them as root: apt-get install ${missing[*]} (scripts/deps.sh, or make test as root, does)" >&2
+	if [ "$(id -u)" -eq 0 ]; then
+		scripts/deps.sh
+	elif ! command -v sqlsmith >/dev/null || ! /usr/bin/python3 -c 'import psycopg' 2>/dev/null; then
+		echo "check-fuzz: sqlsmith or python3-psycopg is missing: run make test as root, or apt-get install sqlsmith python3-psycopg" >&2
 		return 1
 	fi
-	echo "installing: ${missing[*]}"
-	export DEBIAN_FRONTEND=noninteractive
-	apt-get update -qq
-	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
 if [ "${1:-}" = --with-server ]; then
