@@ -10,8 +10,9 @@
 # MATRIX="17 18", or arguments (versions or release names), pick a subset.
 # Then "make check-deb" as well, when the Makefile has that target (the
 # Debian package, built, installed and checked), as a part of its own.
-# Prints a line per release at the end, with the end of each failing part's
-# log, and exits non-zero if any part failed.  Runs as root.
+# Prints a line per release at the end, and for each failing part its
+# failing tests, the first lines of each diff and the end of its log; exits
+# non-zero if any part failed.  Runs as root.
 #
 # Each chroot is a "debootstrap --variant=minbase" in MATRIX_CACHE
 # (/var/cache/idempotency-matrix/<release>), made on first use and reused
@@ -31,7 +32,8 @@
 #   - /usr/sbin/policy-rc.d exits 101, so that installing postgresql-NN does
 #     not start its cluster (nor anything else start a service).
 #   - sid's Release file says how long it is valid, which a mirror's copy
-#     may outlive: apt is told not to check.
+#     may outlive: apt is told not to check.  The stable releases get their
+#     -updates and -security suites, as an installed system has them.
 #   - the checkout goes in as git sees it, tracked files and new ones but
 #     nothing ignored: built objects of the host's version must not come
 #     along, and .git, results and node_modules are not needed.
