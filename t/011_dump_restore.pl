@@ -3,7 +3,8 @@
 # extension's tables is active during the restore): every stored response,
 # claim in progress, processed event, outbox row and route comes back, and
 # every function works on the restored database as on the original.  Also
-# in plain SQL format through psql, as many backups are taken.
+# in plain SQL format through psql, as many backups are taken; and the
+# update of a 1.0 database, whose script the guard lets through.
 
 use strict;
 use warnings;
@@ -87,6 +88,20 @@ $node->command_ok(
 	[ 'psql', '-X', '-q', '-v', 'ON_ERROR_STOP=1', '-f', $sql, '-d', $node->connstr('plain') ],
 	'psql restores the plain dump');
 restored_works('plain', 'psql');
+
+# The extension's own scripts are not guarded: a 1.0 database updates to
+# 1.1 with the guard active, and the update's constraint is in place.
+$node->safe_psql('postgres', 'CREATE DATABASE old');
+$node->safe_psql('old', "CREATE EXTENSION idempotency VERSION '1.0'");
+$node->command_ok(
+	[ 'psql', '-X', '-q', '-v', 'ON_ERROR_STOP=1', '-c', 'ALTER EXTENSION idempotency UPDATE',
+		'-d', $node->connstr('old') ],
+	'ALTER EXTENSION idempotency UPDATE from 1.0, with the DDL guard active');
+is($node->safe_psql('old', q{
+		SELECT extversion || ' ' || (SELECT count(*) FROM pg_constraint
+		                            WHERE conname = 'outbox_routes_destination_check')
+		FROM pg_extension WHERE extname = 'idempotency'}),
+	'1.1 1', '... to 1.1, with its constraint');
 
 $node->stop;
 done_testing();
