@@ -136,3 +136,11 @@ check-fuzz:
 .PHONY: check-sanitize
 check-sanitize:
 	PG_CONFIG=$(PG_CONFIG) scripts/check-sanitize.sh
+
+# Every ```sql block of README.md and doc/**/*.md, run in order in a fresh
+# database per file against a temporary instance that preloads the library;
+# the conventions (hidden setup, skipped blocks) are at the top of
+# scripts/check-docs.sh (SUITES=docs make test runs it)
+.PHONY: check-docs
+check-docs:
+	PG_CONFIG=$(PG_CONFIG) scripts/check-docs.sh

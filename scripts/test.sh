@@ -12,6 +12,8 @@
 #               directly and through pgbouncer (scripts/test-examples.sh)
 #   fuzz        hostile arguments to every function, and Debian's sqlsmith,
 #               bounded to about two minutes (scripts/check-fuzz.sh)
+#   docs        every ```sql example of README.md and doc/, run in a fresh
+#               database per file (scripts/check-docs.sh)
 #
 # Every suite runs even when an earlier one fails; the summary at the end
 # lists each, and the exit status is non-zero if any failed.  SUITES picks a
@@ -46,7 +48,7 @@ tar --exclude=./.git --exclude='./tmp_check*' --exclude=./results --exclude=./ou
 
 summary=()
 status=0
-for suite in ${SUITES:-installcheck tap examples fuzz}; do
+for suite in ${SUITES:-installcheck tap examples fuzz docs}; do
 	echo
 	echo "== $suite"
 	if as_runner make -C "$work" --no-print-directory PG_CONFIG="$PG_CONFIG" "check-$suite"; then
