@@ -209,6 +209,22 @@ def pair_tables_autovacuum(cluster, on):
                            for table in PAIR_TABLES))
 
 
+def cpu_times():
+    """The machine's CPU time so far, all cores: (stolen, total), in ticks.
+    Stolen is the time the hypervisor gave this virtual machine's cores to
+    someone else while they had work: on a shared host it comes in bursts
+    of seconds, and one in a run slows that run alone."""
+    with open("/proc/stat") as stat:
+        ticks = [int(n) for n in stat.readline().split()[1:9]]
+    return ticks[7], sum(ticks)
+
+
+def steal_share(before, after):
+    """The percentage of the CPU time between two cpu_times() that was stolen."""
+    total = after[1] - before[1]
+    return 100.0 * (after[0] - before[0]) / total if total else 0.0
+
+
 def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
     """Rounds of ours and the reference, alternating which goes first; each
     run starts from vacuumed tables and a checkpoint.  Returns the median
@@ -218,6 +234,7 @@ def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
     the median tps of either side may come from different rounds, and their
     ratio would carry the drift between them."""
     results = {"ours": [], "ref": []}
+    steal = {"ours": [], "ref": []}
     for round_no in range(rounds):
         order = [("ours", ours), ("ref", reference)]
         if round_no % 2:
@@ -225,13 +242,16 @@ def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
         for side, script in order:
             cluster.psql(f"VACUUM (ANALYZE) {', '.join(PAIR_TABLES)}")
             cluster.psql("CHECKPOINT")
+            before = cpu_times()
             results[side].append(cluster.pgbench(script, seconds, **kwargs))
+            steal[side].append(steal_share(before, cpu_times()))
     median = {side: (statistics.median(t for t, _ in runs),
                      statistics.median(l for _, l in runs))
               for side, runs in results.items()}
     ratios = [ours_tps / ref_tps for (ours_tps, _), (ref_tps, _)
               in zip(results["ours"], results["ref"])]
     median["rounds"] = " ".join(f"{r:.2f}" for r in ratios)
+    median["steal"] = " ".join(f"{o:.0f}/{r:.0f}" for o, r in zip(steal["ours"], steal["ref"]))
     return median, statistics.median(ratios)
 
 
@@ -402,7 +422,8 @@ def main():
             print(f"{name:28} {median['ours'][0]:10.0f} {median['ours'][1]:7.2f} "
                   f"{median['ref'][0]:10.0f} {median['ref'][1]:7.2f} {ratio:6.2f} "
                   f"{'ok' if ratio >= bar else 'MISS':>5}", flush=True)
-            print(f"   ratio in each round: {median['rounds']}", flush=True)
+            print(f"   ratio in each round: {median['rounds']}; CPU time stolen by the host,"
+                  f" % (ours/ref): {median['steal']}", flush=True)
 
         print("\n== claim + complete vs floor, other shapes (one round, 10 s, no bar)")
         for label, kwargs in [] if "shapes" not in PARTS else [("1 client", {"clients": 1}), ("32 clients", {"clients": 32}),

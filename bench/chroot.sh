@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+#
+# bench/chroot.sh RELEASE [COMMAND]: make bench (or COMMAND, run by bash in
+# the checkout's copy) inside one of make test-matrix's chroots, as root:
+# RELEASE is bookworm, trixie or sid, or its PostgreSQL version (15, 17, 18).
+# BENCH_* variables are passed in.  The chroot must exist already (make
+# test-matrix MATRIX=17 makes it); make bench installs what it lacks there.
+#
+# As scripts/matrix.sh does: proc, sys, /dev, /dev/pts and a tmpfs on
+# /dev/shm are mounted for the run, and the checkout goes in as git sees it
+# (tracked files and new ones, nothing ignored), here to
+# /root/idempotency-bench.  A chroot in use (processes running in it, or
+# anything mounted under it: a matrix run) is left alone.  On every way out,
+# the processes started in the chroot meanwhile are ended, and what was
+# mounted is unmounted.
+#
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cache=${MATRIX_CACHE:-/var/cache/idempotency-matrix}
+case ${1:-} in
+15 | bookworm) release=bookworm ;;
+17 | trixie) release=trixie ;;
+18 | sid) release=sid ;;
+*)
+	echo "usage: bench/chroot.sh bookworm|trixie|sid|15|17|18 [COMMAND]" >&2
+	exit 2
+	;;
+esac
+command=${2:-make bench}
+root=$(realpath -m "$cache/$release")
+
+if [ "$(id -u)" -ne 0 ]; then
+	echo "bench/chroot.sh runs as root (mount, chroot)" >&2
+	exit 1
+fi
+if [ ! -x "$root/usr/bin/apt-get" ] || [ -e "$root/debootstrap" ]; then
+	echo "no chroot in $root: make test-matrix MATRIX=$release makes it" >&2
+	exit 1
+fi
+
+in_root() {
+	local proc
+	for proc in /proc/[0-9]*; do
+		[ "$(readlink "$proc/root" 2>/dev/null)" = "$root" ] && echo "${proc#/proc/}"
+	done
+	return 0
+}
+if [ -n "$(in_root)" ] ||
+	awk -v dir="$root" 'index($2, dir "/") == 1 { found = 1 } END { exit !found }' /proc/self/mounts; then
+	echo "$root is in use (processes run in it, or something is mounted under it)" >&2
+	exit 1
+fi
+
+mounted=()
+child=
+cleanup() {
+	local pid i
+	[ -n "$child" ] && kill "$child" 2>/dev/null
+	# only this script has started anything there since the check above
+	for pid in $(in_root); do kill -KILL "$pid" 2>/dev/null || true; done
+	for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
+		# a process killed just now may not have let go yet: detach it then
+		umount "${mounted[i]}" 2>/dev/null || umount --lazy "${mounted[i]}"
+	done
+	return 0
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM HUP
+
+mount_in() {
+	mount "$@"
+	mounted+=("${*: -1}")
+}
+mount_in -t proc proc "$root/proc"
+mount_in --bind /sys "$root/sys"
+mount_in --bind /dev "$root/dev"
+mount_in --bind /dev/pts "$root/dev/pts"
+mount_in -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"
+cp /etc/resolv.conf "$root/etc/resolv.conf"
+
+copy=$root/root/idempotency-bench
+rm -rf "$copy"
+mkdir -p "$copy"
+git ls-files -z -co --exclude-standard |
+	while IFS= read -r -d '' file; do
+		if [ -e "$file" ] || [ -L "$file" ]; then printf '%s\0' "$file"; fi
+	done |
+	tar --null -T - -cf - | tar -C "$copy" -xf -
+
+passed=()
+for name in $(compgen -e); do
+	[[ $name == BENCH_* ]] && passed+=("$name=${!name}")
+done
+chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb \
+	PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+	DEBIAN_FRONTEND=noninteractive "${passed[@]}" \
+	/bin/bash -c "cd /root/idempotency-bench && $command" &
+child=$!
+status=0
+wait "$child" || status=$?
+child=
+exit $status
