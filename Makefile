@@ -15,18 +15,18 @@ EXTENSION = idempotency
 MODULE_big = idempotency
 OBJS = \
 	src/idempotency.o \
-	src/guc.o \
-	src/tables.o \
-	src/table_check.o \
-	src/guard.o \
-	src/keys.o \
-	src/claim_scan.o \
-	src/fingerprint.o \
-	src/events.o \
-	src/outbox.o \
-	src/shmem.o \
-	src/maintenance.o \
-	src/worker.o
+	src/infra/guc.o \
+	src/infra/shmem.o \
+	src/direct/tables.o \
+	src/direct/table_check.o \
+	src/direct/guard.o \
+	src/api/keys.o \
+	src/api/claim_scan.o \
+	src/api/fingerprint.o \
+	src/api/events.o \
+	src/api/outbox.o \
+	src/bgw/maintenance.o \
+	src/bgw/worker.o
 DATA = idempotency--1.0.sql idempotency--1.0--1.1.sql
 PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 
@@ -34,6 +34,8 @@ PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 # headers and on callback signatures (hooks, relcache callbacks), so it
 # stays off.
 PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter
+PG_CPPFLAGS = -I$(srcdir)/src -I$(srcdir)/src/api -I$(srcdir)/src/direct \
+	-I$(srcdir)/src/bgw -I$(srcdir)/src/infra
 
 TEST_CONF = $(CURDIR)/test/idempotency.conf
 
@@ -67,7 +69,7 @@ endif
 
 # PGXS does not track header dependencies unless the server was configured
 # with --enable-depend: rebuild every object when any header changes.
-$(OBJS): $(wildcard src/*.h)
+$(OBJS): $(wildcard src/*.h src/*/*.h)
 
 .PHONY: test demo bench test-matrix check-regress check-isolation check-tap check-examples check-installcheck
 

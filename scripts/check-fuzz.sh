@@ -131,11 +131,12 @@ if [ "${1:-}" = --with-server ]; then
 	findings=0
 	# internal errors raised by the extension's code: the LOCATION of an
 	# XX00x error (log_error_verbosity = verbose) is a function defined in
-	# one of src/*.c (core has a guc.c and a shmem.c too, hence the function)
+	# one of src/**/*.c (core has a guc.c and a shmem.c too, hence the function)
 	internal=$(tail -c +"$((offset + 1))" "$log" |
 		sed -n 's/.*\] XX00[0-2] LOCATION:  \([A-Za-z0-9_]*\), \([A-Za-z0-9_]*\.c\):[0-9]*$/\1 \2/p' |
 		sort | uniq -c | while read -r n func file; do
-			[ -f "src/$file" ] && grep -q "^$func(" "src/$file" && echo "$n $func $file"
+			path=$(find src -name "$file" -print -quit)
+			[ -n "$path" ] && grep -q "^$func(" "$path" && echo "$n $func $path"
 		done)
 	if [ -n "$internal" ]; then
 		findings=$((findings + 1))
