@@ -34,8 +34,9 @@ PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 # headers and on callback signatures (hooks, relcache callbacks), so it
 # stays off.
 PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter
-PG_CPPFLAGS = -I$(srcdir)/src -I$(srcdir)/src/api -I$(srcdir)/src/direct \
-	-I$(srcdir)/src/bgw -I$(srcdir)/src/infra
+# Our headers are included by their path under src/ ("bgw/worker.h"), so
+# that each #include says which layer it reaches into.
+PG_CPPFLAGS = -I$(srcdir)/src
 
 TEST_CONF = $(CURDIR)/test/idempotency.conf
 

@@ -15,11 +15,11 @@
 #include "utils/builtins.h"
 #include "utils/timestamp.h"
 
-#include "guc.h"
-#include "idempotency.h"
-#include "keys.h"
-#include "shmem.h"
-#include "worker.h"
+#include "api/keys.h"
+#include "bgw/worker.h"
+#include "infra/guc.h"
+#include "infra/idempotency.h"
+#include "infra/shmem.h"
 
 PG_MODULE_MAGIC;
 

@@ -56,8 +56,8 @@
 #include "utils/syscache.h"
 #include "utils/typcache.h"
 
+#include "api/keys.h"
 #include "compat.h"
-#include "keys.h"
 
 #define CLAIM_SCAN_NAME "idem_claim"
 #define CLAIM_NARGS 5

@@ -24,9 +24,9 @@
 #include "storage/lmgr.h"
 #include "utils/timestamp.h"
 
-#include "guc.h"
-#include "idempotency.h"
-#include "tables.h"
+#include "direct/tables.h"
+#include "infra/guc.h"
+#include "infra/idempotency.h"
 
 PG_FUNCTION_INFO_V1(idem_mark_processed);
 PG_FUNCTION_INFO_V1(idem_is_processed);

@@ -45,11 +45,11 @@
 #include "utils/timestamp.h"
 #include "utils/typcache.h"
 
-#include "guc.h"
-#include "shmem.h"
-#include "idempotency.h"
-#include "keys.h"
-#include "tables.h"
+#include "api/keys.h"
+#include "direct/tables.h"
+#include "infra/guc.h"
+#include "infra/idempotency.h"
+#include "infra/shmem.h"
 
 PG_FUNCTION_INFO_V1(idem_claim);
 PG_FUNCTION_INFO_V1(idem_complete);

@@ -58,12 +58,12 @@
 #include "utils/timestamp.h"
 #include "utils/tuplestore.h"
 
+#include "api/outbox.h"
 #include "compat.h"
-#include "guc.h"
-#include "idempotency.h"
-#include "outbox.h"
-#include "shmem.h"
-#include "tables.h"
+#include "direct/tables.h"
+#include "infra/guc.h"
+#include "infra/idempotency.h"
+#include "infra/shmem.h"
 
 PG_FUNCTION_INFO_V1(idem_outbox_enqueue);
 PG_FUNCTION_INFO_V1(idem_outbox_route);

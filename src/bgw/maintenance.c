@@ -20,12 +20,12 @@
 #include "utils/resowner.h"
 #include "utils/timestamp.h"
 
-#include "guc.h"
-#include "idempotency.h"
-#include "maintenance.h"
-#include "outbox.h"
-#include "shmem.h"
-#include "tables.h"
+#include "api/outbox.h"
+#include "bgw/maintenance.h"
+#include "direct/tables.h"
+#include "infra/guc.h"
+#include "infra/idempotency.h"
+#include "infra/shmem.h"
 
 PG_FUNCTION_INFO_V1(idem_run_maintenance);
 

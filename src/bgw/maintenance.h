@@ -11,8 +11,8 @@
 
 #include "storage/block.h"
 
-#include "outbox.h"
-#include "tables.h"
+#include "api/outbox.h"
+#include "direct/tables.h"
 
 /* The kinds of work, each done in bounded batches. */
 typedef enum MaintenanceUnit

@@ -77,11 +77,11 @@
 #include "utils/timestamp.h"
 #include "utils/varlena.h"
 
+#include "bgw/maintenance.h"
+#include "bgw/worker.h"
 #include "compat.h"
-#include "guc.h"
-#include "maintenance.h"
-#include "shmem.h"
-#include "worker.h"
+#include "infra/guc.h"
+#include "infra/shmem.h"
 
 PGDLLEXPORT void idem_launcher_main(Datum main_arg);
 PGDLLEXPORT void idem_worker_main(Datum main_arg);

@@ -32,7 +32,7 @@
 #include "utils/formatting.h"
 #include "utils/lsyscache.h"
 
-#include "guard.h"
+#include "direct/guard.h"
 
 #define IDEM_SCHEMA "idempotency"
 

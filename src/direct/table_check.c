@@ -51,7 +51,7 @@
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
 
-#include "table_check.h"
+#include "direct/table_check.h"
 
 #define IDEM_SCHEMA "idempotency"
 

@@ -50,8 +50,8 @@
 #include "utils/snapmgr.h"
 
 #include "compat.h"
-#include "table_check.h"
-#include "tables.h"
+#include "direct/table_check.h"
+#include "direct/tables.h"
 
 #define IDEM_SCHEMA "idempotency"
 

@@ -18,7 +18,7 @@
 #include "utils/guc.h"
 
 #include "compat.h"
-#include "guc.h"
+#include "infra/guc.h"
 
 #define FIRST_STATUS	100
 #define LAST_STATUS		599

@@ -34,9 +34,9 @@
 #include "utils/tuplestore.h"
 
 #include "compat.h"
-#include "guc.h"
-#include "guard.h"
-#include "shmem.h"
+#include "direct/guard.h"
+#include "infra/guc.h"
+#include "infra/shmem.h"
 
 PG_FUNCTION_INFO_V1(idem_stats_counters);
 PG_FUNCTION_INFO_V1(idem_warn_without_preload);
