@@ -15,6 +15,7 @@ EXTENSION = idempotency
 MODULE_big = idempotency
 OBJS = \
 	src/idempotency.o \
+	src/infra/args.o \
 	src/infra/guc.o \
 	src/infra/shmem.o \
 	src/direct/tables.o \

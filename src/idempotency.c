@@ -1,24 +1,23 @@
 /*-------------------------------------------------------------------------
  *
  * idempotency.c
- *	  Module entry point, and the argument checks that every SQL-callable
- *	  function shares.
+ *	  The library's entry point: _PG_init registers what the extension adds
+ *	  to the server, and does nothing else.
+ *
+ * Owns: the order of registration.
+ * May call: the register functions of api/claim_scan.h, bgw/worker.h,
+ *	  infra/guc.h and infra/shmem.h.  Nothing includes this file's symbols.
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
-#include "access/xact.h"
 #include "fmgr.h"
 #include "miscadmin.h"
-#include "tcop/utility.h"
-#include "utils/builtins.h"
-#include "utils/timestamp.h"
 
-#include "api/keys.h"
+#include "api/claim_scan.h"
 #include "bgw/worker.h"
 #include "infra/guc.h"
-#include "infra/idempotency.h"
 #include "infra/shmem.h"
 
 PG_MODULE_MAGIC;
@@ -41,95 +40,4 @@ _PG_init(void)
 	idem_shmem_register();
 	if (!IsBinaryUpgrade)
 		idem_register_launcher();
-}
-
-/*
- * A key, scope, consumer or event id: not NULL, min_bytes to 255 bytes.
- * Lengths are in bytes, not characters, so that the limit holds in every
- * encoding.
- */
-text *
-idem_arg_identifier(FunctionCallInfo fcinfo, int argno, const char *name,
-					int min_bytes)
-{
-	text	   *value;
-	int			len;
-
-	if (PG_ARGISNULL(argno))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("%s must not be null", name)));
-
-	value = PG_GETARG_TEXT_PP(argno);
-	len = VARSIZE_ANY_EXHDR(value);
-	if (len < min_bytes)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("%s must not be empty", name)));
-	if (len > IDEM_MAX_IDENTIFIER_BYTES)
-		ereport(ERROR,
-				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
-				 errmsg("%s is too long", name),
-				 errdetail("It is %d bytes long; the limit is %d bytes.",
-						   len, IDEM_MAX_IDENTIFIER_BYTES)));
-	return value;
-}
-
-text *
-idem_arg_text_or_null(FunctionCallInfo fcinfo, int argno)
-{
-	return PG_ARGISNULL(argno) ? NULL : PG_GETARG_TEXT_PP(argno);
-}
-
-TimestampTz
-idem_timestamp_plus(TimestampTz t, const Interval *span)
-{
-	return DatumGetTimestampTz(DirectFunctionCall2(timestamptz_pl_interval,
-												   TimestampTzGetDatum(t),
-												   IntervalPGetDatum(span)));
-}
-
-/*
- * A ttl, lease or retention: NULL means the setting's default; otherwise it
- * must be positive, that is, move "now" forward.  Months and days count as
- * calendar months and days, as in timestamptz + interval.
- */
-Interval *
-idem_arg_duration(FunctionCallInfo fcinfo, int argno, const char *name,
-				  int64 default_ms)
-{
-	Interval   *span;
-	TimestampTz now;
-
-	if (PG_ARGISNULL(argno))
-		return idem_interval_from_ms(default_ms);
-
-	span = PG_GETARG_INTERVAL_P(argno);
-	now = GetCurrentTransactionStartTimestamp();
-	if (idem_timestamp_plus(now, span) <= now)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("%s must be positive", name),
-				 errdetail("The value given was \"%s\".",
-						   DatumGetCString(DirectFunctionCall1(interval_out,
-															   IntervalPGetDatum(span))))));
-	return span;
-}
-
-/*
- * The functions that write check this first, so that a read-only transaction
- * or a hot standby gets the usual clear error rather than a failure deep
- * inside the table access code.
- */
-void
-idem_require_writable(const char *function_name)
-{
-	/* made PARALLEL SAFE by hand, a call could land in a parallel worker */
-	if (IsInParallelMode())
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_TRANSACTION_STATE),
-				 errmsg("%s cannot run during a parallel operation", function_name),
-				 errhint("The extension's functions are PARALLEL UNSAFE: restore that with ALTER FUNCTION ... PARALLEL UNSAFE.")));
-	PreventCommandIfReadOnly(function_name);
-	PreventCommandDuringRecovery(function_name);
 }

@@ -56,6 +56,7 @@
 #include "utils/syscache.h"
 #include "utils/typcache.h"
 
+#include "api/claim_scan.h"
 #include "api/keys.h"
 #include "compat.h"
 

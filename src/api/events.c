@@ -25,8 +25,8 @@
 #include "utils/timestamp.h"
 
 #include "direct/tables.h"
+#include "infra/args.h"
 #include "infra/guc.h"
-#include "infra/idempotency.h"
 
 PG_FUNCTION_INFO_V1(idem_mark_processed);
 PG_FUNCTION_INFO_V1(idem_is_processed);

@@ -47,8 +47,8 @@
 
 #include "api/keys.h"
 #include "direct/tables.h"
+#include "infra/args.h"
 #include "infra/guc.h"
-#include "infra/idempotency.h"
 #include "infra/shmem.h"
 
 PG_FUNCTION_INFO_V1(idem_claim);

@@ -18,6 +18,4 @@ extern Datum idem_claim(PG_FUNCTION_ARGS);
 extern void idem_claim_columns(FunctionCallInfo fcinfo, Datum *values,
 							   bool *nulls);
 
-extern void idem_claim_scan_register(void);
-
 #endif							/* IDEMPOTENCY_KEYS_H */

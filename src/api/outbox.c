@@ -61,8 +61,8 @@
 #include "api/outbox.h"
 #include "compat.h"
 #include "direct/tables.h"
+#include "infra/args.h"
 #include "infra/guc.h"
-#include "infra/idempotency.h"
 #include "infra/shmem.h"
 
 PG_FUNCTION_INFO_V1(idem_outbox_enqueue);

@@ -23,8 +23,8 @@
 #include "api/outbox.h"
 #include "bgw/maintenance.h"
 #include "direct/tables.h"
+#include "infra/args.h"
 #include "infra/guc.h"
-#include "infra/idempotency.h"
 #include "infra/shmem.h"
 
 PG_FUNCTION_INFO_V1(idem_run_maintenance);

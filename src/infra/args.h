@@ -1,13 +1,13 @@
 /*-------------------------------------------------------------------------
  *
- * idempotency.h
- *	  What every part of the extension shares: its error codes and the
- *	  checks that SQL-callable functions make of their arguments.
+ * args.h
+ *	  The extension's own SQLSTATEs, and the checks that SQL-callable
+ *	  functions make of their arguments (args.c).
  *
  *-------------------------------------------------------------------------
  */
-#ifndef IDEMPOTENCY_H
-#define IDEMPOTENCY_H
+#ifndef IDEMPOTENCY_ARGS_H
+#define IDEMPOTENCY_ARGS_H
 
 #include "fmgr.h"
 #include "datatype/timestamp.h"
@@ -33,4 +33,4 @@ extern void idem_require_writable(const char *function_name);
 
 extern TimestampTz idem_timestamp_plus(TimestampTz t, const Interval *span);
 
-#endif							/* IDEMPOTENCY_H */
+#endif							/* IDEMPOTENCY_ARGS_H */
