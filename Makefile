@@ -13,21 +13,30 @@
 
 EXTENSION = idempotency
 MODULE_big = idempotency
+# By layer: the entry point; infra/ (what every part shares); direct/ (the
+# extension's tables); api/ (the SQL-callable functions); bgw/ (the
+# background work).  src/README.md says what each may call.
 OBJS = \
 	src/idempotency.o \
 	src/infra/args.o \
 	src/infra/guc.o \
+	src/infra/run_as.o \
 	src/infra/shmem.o \
-	src/direct/tables.o \
-	src/direct/table_check.o \
 	src/direct/guard.o \
-	src/api/keys.o \
+	src/direct/outbox_sql.o \
+	src/direct/table_check.o \
+	src/direct/tables.o \
 	src/api/claim_scan.o \
-	src/api/fingerprint.o \
 	src/api/events.o \
+	src/api/fingerprint.o \
+	src/api/keys.o \
 	src/api/outbox.o \
+	src/api/run_maintenance.o \
 	src/bgw/maintenance.o \
-	src/bgw/worker.o
+	src/bgw/publish.o \
+	src/bgw/purge.o \
+	src/bgw/worker.o \
+	src/bgw/worker_xact.o
 DATA = idempotency--1.0.sql idempotency--1.0--1.1.sql
 PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 

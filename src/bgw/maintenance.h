@@ -1,8 +1,9 @@
 /*-------------------------------------------------------------------------
  *
  * maintenance.h
- *	  One round of the background work: purge expired rows, publish ready
- *	  outbox rows.  Shared by the worker and idem_run_maintenance().
+ *	  Where the background work stands between batches (the cursor), and
+ *	  what a batch did: shared by the purge (purge.c), publishing
+ *	  (publish.c), the worker and idem_run_maintenance().
  *
  *-------------------------------------------------------------------------
  */
@@ -10,9 +11,6 @@
 #define IDEMPOTENCY_MAINTENANCE_H
 
 #include "storage/block.h"
-
-#include "api/outbox.h"
-#include "direct/tables.h"
 
 /* The kinds of work, each done in bounded batches. */
 typedef enum MaintenanceUnit
@@ -25,6 +23,29 @@ typedef enum MaintenanceUnit
 } MaintenanceUnit;
 
 /*
+ * The pages a purge batch deleted rows on, for idem_prune_purged (purge.c):
+ * bit i of deleted_on stands for page first + i, of the span pages a batch
+ * reads at most; and the batch's transaction.
+ */
+#define IDEM_PURGE_MAX_BLOCKS	1024
+typedef struct IdemPurgedPages
+{
+	BlockNumber first;
+	uint32		span;			/* bits past the last one set: 0 for none */
+	uint64		deleted_on[IDEM_PURGE_MAX_BLOCKS / 64];
+	TransactionId xid;
+} IdemPurgedPages;
+
+/* Row ids, kept in context (which outlives a transaction) between batches. */
+typedef struct OutboxRowIds
+{
+	int64	   *ids;
+	uint64		count;
+	uint64		capacity;
+	MemoryContext context;
+} OutboxRowIds;
+
+/*
  * How the next publish batch goes.  The fast way publishes up to
  * publish_batch_size rows in one transaction.  When that fails, the careful
  * way follows at once: at most CAREFUL_PUBLISH_BATCH rows, each in a
@@ -33,7 +54,7 @@ typedef enum MaintenanceUnit
  * failure came after a row's subtransaction, or at commit), each row of that
  * careful batch goes alone, in a transaction of its own, and a row whose own
  * transaction fails has its failed attempt recorded in another
- * (maintenance_publish_failed).  So a row is never tried for ever with its
+ * (publish_failed).  So a row is never tried for ever with its
  * attempts at 0, holding up the rest.
  */
 typedef enum PublishWay
@@ -47,7 +68,7 @@ typedef enum PublishWay
  * Where the work stands between batches: each purge's walk over its heap,
  * the pages its last two batches deleted rows on, the older first, and
  * those of earlier batches that could not be pruned yet (for
- * maintenance_prune), and how the next publish batch goes (see
+ * purge_prune), and how the next publish batch goes (see
  * PublishWay).
  */
 typedef struct MaintenanceCursor
@@ -58,7 +79,7 @@ typedef struct MaintenanceCursor
 	uint64		purged_in_pass[NUM_MAINTENANCE_UNITS];	/* reset by the caller */
 	uint64		pruned_in_pass[NUM_MAINTENANCE_UNITS];	/* pages; likewise */
 	PublishWay	publish_way;	/* the next publish batch's */
-	PublishWay	last_publish_way;	/* the last one's, for maintenance_publish_failed */
+	PublishWay	last_publish_way;	/* the last one's, for publish_failed */
 	/* PUBLISH_ALONE: the rows of the careful batch that failed, in the caller's context */
 	OutboxRowIds alone;
 	uint64		alone_next;		/* the next of them to try */
@@ -80,13 +101,5 @@ typedef struct MaintenanceCounts
 extern const char *const maintenance_unit_names[NUM_MAINTENANCE_UNITS];
 
 extern void maintenance_cursor_init(MaintenanceCursor *cursor);
-extern bool maintenance_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
-							  MaintenanceCounts *counts);
-extern bool maintenance_publish_failed(MaintenanceCursor *cursor, const ErrorData *error,
-									   bool *blame);
-extern bool maintenance_publish_blame(MaintenanceCursor *cursor, const char *error,
-									  MaintenanceCounts *counts);
-extern uint32 maintenance_prune(MaintenanceUnit unit, MaintenanceCursor *cursor,
-								bool both);
 
 #endif							/* IDEMPOTENCY_MAINTENANCE_H */

@@ -170,8 +170,8 @@ forget_cached_table(Datum arg, Oid relid)
  * by name is RangeVarGetRelid's job, which locks and looks again itself
  * until the two agree.
  */
-static Relation
-open_table(IdemTable table, LOCKMODE lockmode)
+Relation
+idem_table_open(IdemTable table, LOCKMODE lockmode)
 {
 	const ExpectedTable *def = &table_defs[table];
 	Oid			relid = cached_relid[table];
@@ -204,8 +204,15 @@ open_table(IdemTable table, LOCKMODE lockmode)
 	return heap;
 }
 
+/* What the C code expects of the table (table_check.h). */
+const ExpectedTable *
+idem_table_def(IdemTable table)
+{
+	return &table_defs[table];
+}
+
 /*
- * The role that owns the outbox, which the outbox's SQL runs as (outbox.c),
+ * The role that owns the outbox, which the outbox's SQL runs as (outbox_sql.c),
  * once idem_check_table has seen that the table is the one those statements
  * and their callers were built for.  Only the outbox is locked here: the
  * worker publishes holding its lock, and DROP EXTENSION locks the tables in
@@ -215,7 +222,7 @@ open_table(IdemTable table, LOCKMODE lockmode)
 Oid
 idem_outbox_owner(void)
 {
-	Relation	heap = open_table(IDEM_TABLE_OUTBOX, AccessShareLock);
+	Relation	heap = idem_table_open(IDEM_TABLE_OUTBOX, AccessShareLock);
 	Oid			owner = heap->rd_rel->relowner;
 
 	table_close(heap, NoLock);
@@ -228,7 +235,7 @@ idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode)
 	memset(rel, 0, sizeof(IdemRelation));
 	rel->table = table;
 	rel->lockmode = lockmode;
-	rel->heap = open_table(table, lockmode);
+	rel->heap = idem_table_open(table, lockmode);
 	/* idem_check_table made sure there is one, and the one expected */
 	rel->pkey = index_open(rel->heap->rd_pkindex, lockmode);
 }
@@ -630,203 +637,4 @@ idem_delete(IdemRelation *rel, ItemPointer tid, bool wait)
 	if (result == TM_Ok)
 		CommandCounterIncrement();
 	return result;
-}
-
-/*
- * Delete up to limit rows whose expires_at has passed, walking the heap from
- * *next_block.  The tables have no index on expires_at (it would make
- * idem_complete's update non-HOT), so the purge walks the heap in order,
- * batch after batch; *next_block is where the next batch starts, or
- * InvalidBlockNumber once the pass reached the end.  A batch also stops
- * after IDEM_PURGE_MAX_BLOCKS pages, so that one with little to delete does
- * not read a whole large table in one go while ready outbox rows wait for
- * the worker.  A row that another transaction holds or has changed is left for
- * the next pass.  *purged is set to the pages the batch deleted rows on,
- * for idem_prune_purged once it has committed.
- */
-uint64
-idem_purge_expired(IdemTable table, TimestampTz now, int limit,
-				   BlockNumber *next_block, IdemPurgedPages *purged)
-{
-	const ExpectedTable *def = &table_defs[table];
-	Relation	heap = open_table(table, RowExclusiveLock);
-	TupleDesc	desc = RelationGetDescr(heap);
-	BlockNumber nblocks = RelationGetNumberOfBlocks(heap);
-	BlockNumber start = *next_block;
-	CommandId	cid = GetCurrentCommandId(true);
-	Snapshot	snapshot;
-	TableScanDesc scan;
-	HeapTuple	tuple;
-	uint64		deleted = 0;
-
-	*next_block = InvalidBlockNumber;
-	if (start == InvalidBlockNumber || start >= nblocks)
-		start = 0;
-	memset(purged, 0, sizeof(*purged));
-	purged->first = start;
-	if (nblocks == 0)
-	{
-		table_close(heap, NoLock);
-		return 0;
-	}
-
-	if (nblocks - start > IDEM_PURGE_MAX_BLOCKS)
-	{
-		*next_block = start + IDEM_PURGE_MAX_BLOCKS;
-		nblocks = start + IDEM_PURGE_MAX_BLOCKS;
-	}
-
-	CheckCmdReplicaIdentity(heap, CMD_DELETE);
-	snapshot = RegisterSnapshot(GetTransactionSnapshot());
-	/* no synchronized scan: the walk must start where the last batch ended */
-	scan = table_beginscan_strat(heap, snapshot, 0, NULL, true, false);
-	heap_setscanlimits(scan, start, nblocks - start);
-	while ((tuple = heap_getnext(scan, ForwardScanDirection)) != NULL)
-	{
-		bool		isnull;
-		Datum		expires_at = heap_getattr(tuple, def->expires_column, desc, &isnull);
-		TM_FailureData tmfd;
-
-		CHECK_FOR_INTERRUPTS();
-		if (isnull || DatumGetTimestampTz(expires_at) > now)
-			continue;
-		if (deleted >= (uint64) limit)
-		{
-			*next_block = ItemPointerGetBlockNumber(&tuple->t_self);
-			break;
-		}
-		if (table_tuple_delete(heap, &tuple->t_self, cid, snapshot, InvalidSnapshot,
-							   false, &tmfd, false) == TM_Ok)
-		{
-			uint32		page = ItemPointerGetBlockNumber(&tuple->t_self) - start;
-
-			purged->deleted_on[page / 64] |= UINT64CONST(1) << (page % 64);
-			purged->span = page + 1;
-			deleted++;
-		}
-	}
-	table_endscan(scan);
-	UnregisterSnapshot(snapshot);
-	table_close(heap, NoLock);
-	purged->xid = GetTopTransactionIdIfAny();
-	return deleted;
-}
-
-/*
- * Make the space of the rows a purge batch deleted reusable now, rather
- * than after the next vacuum, once the batch has committed: prune the pages
- * it deleted rows on, and enter their free space in the free space map.
- * Until then the rows written meanwhile would grow the table, however much
- * of it the purge emptied; and the vacuum after a large purge waits for a
- * quiet moment (see the worker), which a busy server may not have for long.
- * The dead rows' index entries remain for the vacuum to remove, as do their
- * line pointers, left dead.  Only rows no snapshot can see any more are
- * pruned: the caller gives the snapshots older than the batch's commit time
- * to go (a batch in between, or a wait), and takes its own after that
- * (pruning goes by the horizons the last snapshot computed).
- *
- * Pruning is heap_page_prune_opt's, which every scan runs on the pages it
- * reads, with the server's rules for which rows no snapshot can still see.
- * It prunes a page only when the page looks short of room: less free space
- * than the fillfactor reserves, or PD_PAGE_FULL, the hint an UPDATE leaves
- * when its new row version did not fit.  A page that inserts filled up to
- * its fillfactor, then purged, has neither, though no insert can use it
- * until it is pruned: so we leave that hint on the page first.  Each page's
- * free space goes to the map as it is now, whoever pruned it.
- *
- * A page that cannot be pruned yet (a snapshot older than the batch's commit
- * is still open, or another backend has the page pinned) keeps the hint, so
- * the next scan to read it prunes it, but only a vacuum would enter it in the
- * map then: so it stays in *purged, for the caller to try again later, and
- * the pages done are taken out of it (as are those past the end of the
- * table, truncated meanwhile).  A page is done once none of the rows the
- * batch (or an older transaction) deleted remains: its pd_prune_xid, the
- * oldest deleter of a row pruning left, is then unset or newer than the
- * batch.  If the batch itself is not old enough yet, no page is read.
- * Returns how many pages are done.
- */
-uint32
-idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
-{
-	Relation	heap;
-	BlockNumber end;
-	IdemPurgedPages left;
-	uint32		done = 0;
-	uint32		not_yet = 0;
-
-	if (purged->span == 0)
-		return 0;
-	heap = open_table(table, AccessShareLock);
-
-	/*
-	 * None of the batch's rows can go while a snapshot older than its commit
-	 * remains.  Asked of the horizon as it is now, not as the last snapshot
-	 * estimated it: until the next transaction ID is assigned, that estimate
-	 * still counts a snapshot ended since, which an idle server could keep
-	 * for long.  Computing it also gives heap_page_prune_opt the same.
-	 */
-	if (!TransactionIdPrecedes(purged->xid, GetOldestNonRemovableTransactionId(heap)))
-	{
-		ereport(DEBUG2,
-				(errmsg_internal("could not prune the pages purged in relation \"%s\" yet: a snapshot older than the purge is still open",
-								 RelationGetRelationName(heap))));
-		table_close(heap, NoLock);
-		return 0;
-	}
-
-	memset(&left, 0, sizeof(left));
-	left.first = purged->first;
-	left.xid = purged->xid;
-	end = Min(purged->first + purged->span, RelationGetNumberOfBlocks(heap));
-	for (BlockNumber block = purged->first; block < end; block++)
-	{
-		uint32		page = block - purged->first;
-		Buffer		buffer;
-		Page		contents;
-		Size		free_space;
-		TransactionId prune_xid;
-
-		if (!(purged->deleted_on[page / 64] & (UINT64CONST(1) << (page % 64))))
-			continue;
-		CHECK_FOR_INTERRUPTS();
-		/* no ring: these are the pages the next inserts will go to */
-		buffer = ReadBuffer(heap, block);
-		contents = BufferGetPage(buffer);
-
-		LockBuffer(buffer, BUFFER_LOCK_EXCLUSIVE);
-		/* not already pruned, by a scan since the batch committed */
-		if (TransactionIdIsValid(((PageHeader) contents)->pd_prune_xid) &&
-			!PageIsFull(contents))
-		{
-			PageSetFull(contents);
-			MarkBufferDirtyHint(buffer, true);
-		}
-		LockBuffer(buffer, BUFFER_LOCK_UNLOCK);
-
-		heap_page_prune_opt(heap, buffer);
-
-		LockBuffer(buffer, BUFFER_LOCK_SHARE);
-		prune_xid = ((PageHeader) contents)->pd_prune_xid;
-		free_space = PageGetHeapFreeSpace(contents);
-		UnlockReleaseBuffer(buffer);
-		RecordPageWithFreeSpace(heap, block, free_space);
-
-		if (!TransactionIdIsValid(prune_xid) ||
-			TransactionIdFollows(prune_xid, purged->xid))
-			done++;
-		else
-		{
-			left.deleted_on[page / 64] |= UINT64CONST(1) << (page % 64);
-			left.span = page + 1;
-			not_yet++;
-		}
-	}
-	/* the map's upper levels, which inserts search from */
-	FreeSpaceMapVacuumRange(heap, purged->first, end);
-	ereport(DEBUG2,
-			(errmsg_internal("pruned %u pages purged in relation \"%s\", %u left for later",
-							 done, RelationGetRelationName(heap), not_yet)));
-	table_close(heap, NoLock);
-	*purged = left;
-	return done;
 }

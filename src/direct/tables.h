@@ -12,10 +12,11 @@
 #include "access/htup.h"
 #include "access/tableam.h"
 #include "datatype/timestamp.h"
-#include "storage/block.h"
 #include "nodes/execnodes.h"
 #include "storage/lockdefs.h"
 #include "utils/relcache.h"
+
+#include "direct/table_check.h"
 
 /* The tables the C code reads and writes directly. */
 typedef enum IdemTable
@@ -117,6 +118,8 @@ typedef struct ProbeResult
 } ProbeResult;
 
 extern Oid	idem_outbox_owner(void);
+extern Relation idem_table_open(IdemTable table, LOCKMODE lockmode);
+extern const ExpectedTable *idem_table_def(IdemTable table);
 extern void idem_relation_open(IdemRelation *rel, IdemTable table,
 							   LOCKMODE lockmode);
 extern void idem_relation_close(IdemRelation *rel);
@@ -132,24 +135,5 @@ extern int64 idem_outbox_next_id(void);
 extern TM_Result idem_update(IdemRelation *rel, ItemPointer tid,
 							 Datum *values, bool *nulls, bool wait);
 extern TM_Result idem_delete(IdemRelation *rel, ItemPointer tid, bool wait);
-
-/*
- * The pages a purge batch deleted rows on, for idem_prune_purged: bit i of
- * deleted_on stands for page first + i, of the span pages a batch reads at
- * most; and the batch's transaction.
- */
-#define IDEM_PURGE_MAX_BLOCKS	1024
-typedef struct IdemPurgedPages
-{
-	BlockNumber first;
-	uint32		span;			/* bits past the last one set: 0 for none */
-	uint64		deleted_on[IDEM_PURGE_MAX_BLOCKS / 64];
-	TransactionId xid;
-} IdemPurgedPages;
-
-extern uint64 idem_purge_expired(IdemTable table, TimestampTz now, int limit,
-								 BlockNumber *next_block,
-								 IdemPurgedPages *purged);
-extern uint32 idem_prune_purged(IdemTable table, IdemPurgedPages *purged);
 
 #endif							/* IDEMPOTENCY_TABLES_H */

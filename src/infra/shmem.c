@@ -151,12 +151,6 @@ idem_shmem_lock(void)
 	return shared->lock;
 }
 
-bool
-idem_shmem_available(void)
-{
-	return shared != NULL;
-}
-
 int
 idem_max_databases_slots(void)
 {

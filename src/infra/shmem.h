@@ -59,7 +59,6 @@ typedef struct IdemDatabaseSlot
 
 extern void idem_shmem_register(void);
 extern LWLock *idem_shmem_lock(void);
-extern bool idem_shmem_available(void);
 
 extern IdemDatabaseSlot *idem_database_slot(Oid dboid, bool create);
 extern void idem_count(IdemCounter counter, uint64 n);

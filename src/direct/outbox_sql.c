@@ -1,0 +1,320 @@
+/*-------------------------------------------------------------------------
+ *
+ * outbox_sql.c
+ *	  The outbox's SQL: the statements that read and write
+ *	  idempotency.outbox and outbox_routes, prepared once per backend and
+ *	  run through SPI, as the owner of the extension's tables and with a
+ *	  pinned search_path, in the manner of a SECURITY DEFINER function:
+ *	  EXECUTE on a function is what a caller needs, as for the key
+ *	  functions, which reach their tables directly (tables.c).
+ *
+ * The outbox goes through SQL where the keys do not: its reads are
+ * set-oriented (the heads of each key, SKIP LOCKED), which the executor
+ * does well, and no caller needs the direct path's "never wait".
+ *
+ * Owns: the statements' text, their plans, and the reading of the routes.
+ * May call: direct/tables.h (the owner), infra/run_as.h.  Called by the
+ * SQL API (api/outbox.c), publishing (bgw/publish.c) and the purge
+ * (bgw/purge.c).
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "catalog/pg_type.h"
+#include "executor/spi.h"
+#include "miscadmin.h"
+#include "utils/builtins.h"
+
+#include "direct/outbox_sql.h"
+#include "direct/tables.h"
+#include "infra/run_as.h"
+
+/*
+ * The next try of a row that failed its attempts-th time, in milliseconds:
+ * capped exponential backoff with "equal jitter" (half the exponential delay
+ * plus a random part of the other half), never below the minimum nor above
+ * the maximum.  $MIN and $MAX are the two settings.
+ */
+#define BACKOFF_MS_SQL(attempts, min, max) \
+	"greatest(" min ", least(" max ", " min " * power(2, least(" attempts " - 1, 30)))" \
+	" * (0.5 + random() / 2))"
+
+/*
+ * One topic's rows, oldest first, read from the outbox_ready index (topic,
+ * id), which stops at the limit however many rows other topics have.  The
+ * topic is pinned with two inequalities rather than "=", so that the
+ * planner keeps ordering by (topic, id), which only that index provides;
+ * with "=", it would drop the constant topic from the ordering and could
+ * walk the primary key past every other topic's rows instead.
+ */
+#define ONE_TOPIC(param) "o.topic >= " param " AND o.topic <= " param
+
+/*
+ * The worker's candidates, in two steps.  First the ids: ready pending rows
+ * of the routed topics, oldest first, skipping rows another transaction
+ * holds (SKIP LOCKED), and leaving out rows held back by an earlier row of
+ * their key that cannot go out now (leased, dead, or waiting for its
+ * backoff) -- without that, a key stuck behind a dead row would fill every
+ * batch and starve the other keys.  Then, for those few rows only, the route,
+ * the message, and the id of the unpublished row of the key just before
+ * each, which the C loop checks (see outbox_publish_batch).  Planned for
+ * each execution (a custom plan), since how many rows a topic has varies
+ * wildly.
+ */
+#define PUBLISH_CANDIDATES_SQL(topic_filter, order_by) \
+	"WITH picked AS (" \
+	"  SELECT o AS event, o.id, o.topic, o.key, o.payload, o.headers, o.created_at" \
+	"  FROM idempotency.outbox o" \
+	"  WHERE o.state = 'pending' AND o.available_at <= $1 AND " topic_filter \
+	"    AND NOT EXISTS (SELECT FROM idempotency.outbox e" \
+	"                    WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
+	"                      AND e.state <> 'published'" \
+	"                      AND NOT (e.state = 'pending' AND e.available_at <= $1))" \
+	"  ORDER BY " order_by " LIMIT $2" \
+	"  FOR UPDATE OF o SKIP LOCKED)" \
+	" SELECT p.event, p.id, r.target, r.destination, r.run_as," \
+	"        json_build_object('id', p.id, 'topic', p.topic, 'key', p.key," \
+	"                          'payload', p.payload, 'headers', p.headers," \
+	"                          'created_at', p.created_at)::text AS message," \
+	"        json_build_object('id', p.id, 'topic', p.topic, 'key', p.key," \
+	"                          'truncated', true)::text AS reference," \
+	"        (SELECT max(e.id) FROM idempotency.outbox e" \
+	"         WHERE e.topic = p.topic AND e.key = p.key AND e.id < p.id" \
+	"           AND e.state <> 'published') AS previous_id" \
+	" FROM picked p" \
+	" CROSS JOIN LATERAL (SELECT rt.target, rt.destination, rt.run_as" \
+	"                     FROM idempotency.outbox_routes rt" \
+	"                     WHERE rt.topic = p.topic OR rt.topic = '*'" \
+	"                     ORDER BY rt.topic = '*' LIMIT 1) r" \
+	" WHERE r.target <> 'none'" \
+	" ORDER BY p.id"
+
+typedef struct StatementDef
+{
+	const char *sql;
+	int			nargs;
+	Oid			argtypes[6];
+	bool		custom_plan;	/* plan for each execution's parameters */
+} StatementDef;
+
+static const StatementDef statements[NUM_STATEMENTS] = {
+	/*
+	 * Lease the ready heads of a topic: rows that no earlier unpublished row
+	 * of the same key holds back, oldest first, skipping rows another relay
+	 * is taking right now.  A leased row whose lease ran out is handed out
+	 * again (one more attempt), or becomes dead if it has had them all.
+	 * $1 topic, $2 batch, $3 lease, $4 now, $5 max attempts.
+	 */
+	[STMT_FETCH] = {
+		"WITH candidate AS ("
+		"  SELECT o.id, o.state = 'leased' AND o.attempts >= $5 AS exhausted"
+		"  FROM idempotency.outbox o"
+		"  WHERE " ONE_TOPIC("$1") " AND o.state IN ('pending', 'leased') AND o.available_at <= $4"
+		"    AND NOT EXISTS (SELECT FROM idempotency.outbox earlier"
+		"                    WHERE earlier.topic = o.topic AND earlier.key = o.key"
+		"                      AND earlier.id < o.id AND earlier.state <> 'published')"
+		"  ORDER BY o.topic, o.id LIMIT $2"
+		"  FOR UPDATE OF o SKIP LOCKED"
+		"), handed_out AS ("
+		"  UPDATE idempotency.outbox o"
+		"  SET state = CASE WHEN c.exhausted THEN 'dead' ELSE 'leased' END,"
+		"      attempts = CASE WHEN c.exhausted THEN o.attempts ELSE o.attempts + 1 END,"
+		"      last_error = CASE WHEN c.exhausted THEN 'lease ran out without acknowledgement'"
+		"                        ELSE o.last_error END,"
+		"      available_at = $4 + $3"
+		"  FROM candidate c"
+		"  WHERE o.id = c.id"
+		"  RETURNING o.*"
+		")"
+		" SELECT * FROM handed_out WHERE state = 'leased' ORDER BY id",
+		5, {TEXTOID, INT4OID, INTERVALOID, TIMESTAMPTZOID, INT4OID}, true
+	},
+
+	[STMT_ACK_DELETE] = {
+		"DELETE FROM idempotency.outbox WHERE id = ANY ($1) AND state = 'leased'",
+		1, {INT8ARRAYOID}
+	},
+	[STMT_ACK_KEEP] = {
+		"UPDATE idempotency.outbox SET state = 'published', published_at = $2"
+		" WHERE id = ANY ($1) AND state = 'leased'",
+		2, {INT8ARRAYOID, TIMESTAMPTZOID}
+	},
+
+	/* $1 id, $2 error, $3 now, $4 max attempts, $5 backoff min, $6 backoff max */
+	[STMT_NACK] = {
+		"UPDATE idempotency.outbox"
+		" SET state = CASE WHEN attempts >= $4 THEN 'dead' ELSE 'pending' END,"
+		"     last_error = $2,"
+		"     available_at = $3 + make_interval(secs => "
+		BACKOFF_MS_SQL("attempts", "$5", "$6") " / 1000.0)"
+		" WHERE id = $1 AND state = 'leased'",
+		6, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID}
+	},
+
+	[STMT_REQUEUE] = {
+		"UPDATE idempotency.outbox SET state = 'pending', attempts = 0, available_at = $2"
+		" WHERE id = $1 AND state = 'dead'",
+		2, {INT8OID, TIMESTAMPTZOID}
+	},
+	[STMT_DISCARD] = {
+		"DELETE FROM idempotency.outbox WHERE id = $1 AND state = 'dead'",
+		1, {INT8OID}
+	},
+	[STMT_ROUTE] = {
+		"INSERT INTO idempotency.outbox_routes (topic, target, destination, run_as)"
+		" VALUES ($1, $2, $3, $4)"
+		" ON CONFLICT (topic) DO UPDATE"
+		" SET target = excluded.target, destination = excluded.destination,"
+		"     run_as = excluded.run_as",
+		4, {TEXTOID, TEXTOID, TEXTOID, REGROLEOID}
+	},
+
+	/*
+	 * The background worker's next batch (see PUBLISH_CANDIDATES_SQL): $1
+	 * now, $2 batch size, and $3: one routed topic, when there is no default
+	 * route (one query per topic, so that each reads its part of the
+	 * outbox_ready index in id order and stops at the limit, however long the
+	 * backlog), or the topics routed to none, when there is one.
+	 */
+	[STMT_PUBLISH_CANDIDATES_TOPIC] = {
+		PUBLISH_CANDIDATES_SQL(ONE_TOPIC("$3"), "o.topic, o.id"),
+		3, {TIMESTAMPTZOID, INT4OID, TEXTOID}, true
+	},
+	[STMT_PUBLISH_CANDIDATES_EXCEPT] = {
+		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3)", "o.id"),
+		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}, true
+	},
+	/* one row, by id ($3), if it is still a candidate (see outbox_publish_row) */
+	[STMT_PUBLISH_CANDIDATE_ROW] = {
+		PUBLISH_CANDIDATES_SQL("o.id = $3", "o.id"),
+		3, {TIMESTAMPTZOID, INT4OID, INT8OID}
+	},
+	[STMT_ROUTES] = {
+		"SELECT topic, target <> 'none' AS routed FROM idempotency.outbox_routes",
+		0, {}
+	},
+	[STMT_MARK_PUBLISHED_DELETE] = {
+		"DELETE FROM idempotency.outbox WHERE id = ANY ($1)",
+		1, {INT8ARRAYOID}
+	},
+	[STMT_MARK_PUBLISHED_KEEP] = {
+		"UPDATE idempotency.outbox"
+		" SET state = 'published', published_at = $2, attempts = attempts + 1"
+		" WHERE id = ANY ($1)",
+		2, {INT8ARRAYOID, TIMESTAMPTZOID}
+	},
+	/*
+	 * $1 id, $2 error, $3 now, $4 max attempts, $5 backoff min, $6 backoff
+	 * max.  Only a pending row: a batch's candidates are, and locked, but a
+	 * row whose attempt is recorded after its transaction failed
+	 * (outbox_record_failure) may have been requeued, discarded or leased by
+	 * then.
+	 */
+	[STMT_PUBLISH_FAILED] = {
+		"UPDATE idempotency.outbox"
+		" SET attempts = attempts + 1,"
+		"     state = CASE WHEN attempts + 1 >= $4 THEN 'dead' ELSE 'pending' END,"
+		"     last_error = $2,"
+		"     available_at = $3 + make_interval(secs => "
+		BACKOFF_MS_SQL("(attempts + 1)", "$5", "$6") " / 1000.0)"
+		" WHERE id = $1 AND state = 'pending'",
+		6, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID}
+	},
+	/* $1 published before, $2 batch size */
+	[STMT_PURGE_PUBLISHED] = {
+		"DELETE FROM idempotency.outbox WHERE id IN ("
+		"  SELECT id FROM idempotency.outbox"
+		"  WHERE state = 'published' AND published_at <= $1"
+		"  ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
+		2, {TIMESTAMPTZOID, INT4OID}
+	},
+};
+
+/* Plans prepared on first use and kept for the backend's life. */
+static SPIPlanPtr plans[NUM_STATEMENTS];
+
+/*
+ * Enter the context the outbox's statements run in: as the owner of the
+ * extension's tables, with search_path pinned to pg_catalog (see
+ * infra/run_as.c), connected to SPI.  An error on the way out of here is
+ * cleaned up by the transaction's abort, which restores the user and the
+ * settings.
+ */
+void
+outbox_sql_begin(OutboxSqlContext *context)
+{
+	Oid			owner = idem_outbox_owner();
+
+	idem_run_as_begin(&context->run_as, owner, SECURITY_LOCAL_USERID_CHANGE);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+}
+
+void
+outbox_sql_end(OutboxSqlContext *context)
+{
+	SPI_finish();
+	idem_run_as_end(&context->run_as, true);
+}
+
+/* The plan of one of the statements above, prepared on first use. */
+SPIPlanPtr
+outbox_plan(OutboxStatement statement)
+{
+	if (plans[statement] == NULL)
+	{
+		const StatementDef *def = &statements[statement];
+		SPIPlanPtr	plan = SPI_prepare_cursor(def->sql, def->nargs, (Oid *) def->argtypes,
+											  def->custom_plan ? CURSOR_OPT_CUSTOM_PLAN : 0);
+
+		if (plan == NULL)
+			elog(ERROR, "could not prepare outbox statement %d: %s",
+				 (int) statement, SPI_result_code_string(SPI_result));
+		if (SPI_keepplan(plan) != 0)
+			elog(ERROR, "could not keep outbox statement %d", (int) statement);
+		plans[statement] = plan;
+	}
+	return plans[statement];
+}
+
+/* Run one of the statements above; returns SPI_processed. */
+uint64
+outbox_sql_run(OutboxStatement statement, Datum *values, const char *nulls)
+{
+	int			ret = SPI_execute_plan(outbox_plan(statement), values, nulls, false, 0);
+
+	if (ret < 0)
+		elog(ERROR, "outbox statement %d failed: %s",
+			 (int) statement, SPI_result_code_string(ret));
+	return SPI_processed;
+}
+
+/*
+ * The routes, from the nrows rows of STMT_ROUTES in SPI_tuptable, into
+ * *routes, allocated in the current memory context: "*" apart, the other
+ * topics in the order read.
+ */
+void
+outbox_routes_read(uint64 nrows, OutboxRoutes *routes)
+{
+	routes->default_routed = false;
+	routes->nroutes = 0;
+	routes->routes = palloc(sizeof(OutboxRoute) * Max(nrows, 1));
+	for (uint64 i = 0; i < nrows; i++)
+	{
+		bool		isnull;
+		char	   *topic = TextDatumGetCString(SPI_getbinval(SPI_tuptable->vals[i],
+															  SPI_tuptable->tupdesc, 1, &isnull));
+		bool		routed = DatumGetBool(SPI_getbinval(SPI_tuptable->vals[i],
+														SPI_tuptable->tupdesc, 2, &isnull));
+
+		if (strcmp(topic, "*") == 0)
+			routes->default_routed = routed;
+		else
+		{
+			routes->routes[routes->nroutes].topic = topic;
+			routes->routes[routes->nroutes++].routed = routed;
+		}
+	}
+}

@@ -1,0 +1,76 @@
+/*-------------------------------------------------------------------------
+ *
+ * outbox_sql.h
+ *	  The outbox's SQL statements, and the context they run in.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEMPOTENCY_OUTBOX_SQL_H
+#define IDEMPOTENCY_OUTBOX_SQL_H
+
+#include "executor/spi.h"
+
+#include "infra/run_as.h"
+
+typedef enum OutboxStatement
+{
+	STMT_FETCH,
+	STMT_ACK_DELETE,
+	STMT_ACK_KEEP,
+	STMT_NACK,
+	STMT_REQUEUE,
+	STMT_DISCARD,
+	STMT_ROUTE,
+	STMT_PUBLISH_CANDIDATES_TOPIC,
+	STMT_PUBLISH_CANDIDATES_EXCEPT,
+	STMT_PUBLISH_CANDIDATE_ROW,
+	STMT_ROUTES,
+	STMT_MARK_PUBLISHED_DELETE,
+	STMT_MARK_PUBLISHED_KEEP,
+	STMT_PUBLISH_FAILED,
+	STMT_PURGE_PUBLISHED,
+	NUM_STATEMENTS
+} OutboxStatement;
+
+/* Columns of STMT_PUBLISH_CANDIDATES. */
+enum
+{
+	CANDIDATE_EVENT = 1,
+	CANDIDATE_ID,
+	CANDIDATE_TARGET,
+	CANDIDATE_DESTINATION,
+	CANDIDATE_RUN_AS,
+	CANDIDATE_MESSAGE,
+	CANDIDATE_REFERENCE,
+	CANDIDATE_PREVIOUS_ID
+};
+
+/* What outbox_sql_begin changed, for outbox_sql_end to restore. */
+typedef struct OutboxSqlContext
+{
+	IdemRunAs	run_as;
+} OutboxSqlContext;
+
+extern void outbox_sql_begin(OutboxSqlContext *context);
+extern void outbox_sql_end(OutboxSqlContext *context);
+extern SPIPlanPtr outbox_plan(OutboxStatement statement);
+extern uint64 outbox_sql_run(OutboxStatement statement, Datum *values,
+							 const char *nulls);
+
+/* A row of outbox_routes, as enqueuers and the publisher see it. */
+typedef struct OutboxRoute
+{
+	char	   *topic;
+	bool		routed;			/* somewhere other than none */
+} OutboxRoute;
+
+typedef struct OutboxRoutes
+{
+	bool		default_routed; /* "*" is routed somewhere other than none */
+	int			nroutes;
+	OutboxRoute *routes;		/* the other topics */
+} OutboxRoutes;
+
+extern void outbox_routes_read(uint64 nrows, OutboxRoutes *routes);
+
+#endif							/* IDEMPOTENCY_OUTBOX_SQL_H */
