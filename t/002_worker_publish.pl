@@ -43,10 +43,10 @@ $node->safe_psql('postgres', q{
 });
 
 $node->poll_query_until('postgres',
-	"SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'")
+	"SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database postgres'")
   or die "the worker did not start";
 my $worker_pid = $node->safe_psql('postgres',
-	"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'");
+	"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database postgres'");
 
 sub wait_published
 {
@@ -176,7 +176,7 @@ is($node->safe_psql('postgres', "SELECT count(*) FROM sink WHERE topic = 'fast'"
 ok($node->safe_psql('postgres', "SELECT publish_failures >= 3 AND published >= 216 FROM idempotency.stats") eq 't',
 	'the stats view counts publications and failures');
 is($node->safe_psql('postgres',
-		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'"),
+		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database postgres'"),
 	$worker_pid, 'the worker survived the failures');
 
 # --- a key stuck behind a dead row does not starve the other keys, even when

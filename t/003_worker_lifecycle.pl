@@ -39,7 +39,7 @@ sub worker_pid
 {
 	my ($db) = @_;
 	return $node->safe_psql('postgres',
-		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency worker $db'");
+		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database $db'");
 }
 
 sub wait_for_worker
@@ -48,7 +48,7 @@ sub wait_for_worker
 	$not_pid //= 0;
 	$node->poll_query_until('postgres', qq{
 		SELECT count(*) = 1 FROM pg_stat_activity
-		WHERE backend_type = 'idempotency worker $db' AND pid <> $not_pid})
+		WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database $db' AND pid <> $not_pid})
 	  or die "no worker for database $db";
 	return worker_pid($db);
 }
@@ -96,8 +96,9 @@ sub publishes
 
 my $pid = wait_for_worker('postgres');
 is($node->safe_psql('postgres',
-		"SELECT datname || ' ' || application_name FROM pg_stat_activity WHERE pid = $pid"),
-	'postgres idempotency worker', 'the worker shows in pg_stat_activity, naming its database');
+		"SELECT datname || ': ' || backend_type || ', ' || application_name FROM pg_stat_activity WHERE pid = $pid"),
+	'postgres: idempotency worker, idempotency worker for database postgres',
+	'the worker shows in pg_stat_activity: one backend_type for every worker, the application_name naming its database');
 publishes('postgres', 'at start');
 
 # --- pg_terminate_backend stops a worker; the launcher starts it again
@@ -138,13 +139,13 @@ my $took = time() - $start;
 is($ret, 0, 'DROP DATABASE of a served database succeeds') or diag($err);
 cmp_ok($took, '<', 5, sprintf('... and does not wait (%.2fs)', $took));
 ok($node->poll_query_until('postgres',
-		"SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency worker later'"),
+		"SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database later'"),
 	'no worker is left for the dropped database');
 
 # --- DROP EXTENSION / CREATE EXTENSION in a live database
 $node->safe_psql('postgres', 'DROP EXTENSION idempotency CASCADE; DROP TABLE sink');
 ok($node->poll_query_until('postgres',
-		"SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'"),
+		"SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database postgres'"),
 	'after DROP EXTENSION the worker leaves');
 $node->safe_psql('postgres', $setup);
 wait_for_worker('postgres');

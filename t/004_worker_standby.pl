@@ -46,7 +46,7 @@ ok($standby->safe_psql('postgres', 'SELECT idempotency.idem_is_processed(\'c\', 
 
 $standby->promote;
 ok($standby->poll_query_until('postgres',
-		"SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'"),
+		"SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database postgres'"),
 	'after promotion the worker starts');
 ok($standby->poll_query_until('postgres', 'SELECT count(*) = 3 FROM sink'),
 	'and publishes the rows that were waiting');

@@ -107,15 +107,15 @@ ok($node->wait_for_log(qr/idempotency: could not start a worker for database/),
 ok($node->log_contains(qr/HINT:  Raise max_worker_processes/),
 	'... naming the setting to raise');
 is($node->safe_psql('postgres',
-		"SELECT count(*) FROM pg_stat_activity WHERE backend_type LIKE 'idempotency worker%'"),
+		"SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'idempotency worker'"),
 	'1', 'the workers that fit run; nothing crash-loops');
 
 # serve only "two": the others are stopped or never started
 $node->safe_psql('postgres', "ALTER SYSTEM SET idempotency.databases = 'two'");
 $node->reload;
 ok($node->poll_query_until('postgres', q{
-		SELECT array_agg(backend_type) = ARRAY['idempotency worker two']
-		FROM pg_stat_activity WHERE backend_type LIKE 'idempotency worker%'}),
+		SELECT array_agg(application_name) = ARRAY['idempotency worker for database two']
+		FROM pg_stat_activity WHERE backend_type = 'idempotency worker'}),
 	'with idempotency.databases = two, only that database is served');
 
 $node->stop;

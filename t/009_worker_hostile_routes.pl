@@ -88,11 +88,11 @@ $node->safe_psql('postgres', $setup);
 sub worker_pids
 {
 	return $node->safe_psql('postgres',
-		"SELECT string_agg(pid::text, ',') FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'");
+		"SELECT string_agg(pid::text, ',') FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database postgres'");
 }
 
 $node->poll_query_until('postgres',
-	"SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'")
+	"SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database postgres'")
   or die "the worker did not start";
 my $worker_pid = worker_pids();
 
@@ -314,7 +314,7 @@ $node->safe_psql('postgres', q{
 # a restart, so that the worker has the new size before the rows come
 $node->restart;
 $node->poll_query_until('postgres',
-	"SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency worker postgres'")
+	"SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database postgres'")
   or die "the worker did not start again";
 my $log_offset = -s $node->logfile;
 $node->safe_psql('postgres', q{

@@ -245,7 +245,8 @@ start_worker(KnownDatabase *db, TimestampTz now)
 	snprintf(worker.bgw_library_name, BGW_MAXLEN, "idempotency");
 	snprintf(worker.bgw_function_name, BGW_MAXLEN, "idem_worker_main");
 	snprintf(worker.bgw_name, BGW_MAXLEN, "idempotency worker for database %s", db->name);
-	snprintf(worker.bgw_type, BGW_MAXLEN, "idempotency worker %s", db->name);
+	/* one type for every worker (backend_type); the name says the database */
+	snprintf(worker.bgw_type, BGW_MAXLEN, "idempotency worker");
 
 	if (!RegisterDynamicBackgroundWorker(&worker, &db->handle))
 	{
@@ -475,7 +476,7 @@ idem_worker_main(Datum main_arg)
 	before_shmem_exit(detach_worker, (Datum) 0);
 
 	BackgroundWorkerInitializeConnectionByOid(dboid, InvalidOid, 0);
-	pgstat_report_appname("idempotency worker");
+	pgstat_report_appname(MyBgworkerEntry->bgw_name);	/* names the database */
 	pin_worker_settings();
 
 	error_context.callback = worker_error_context;
