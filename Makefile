@@ -82,6 +82,13 @@ endif
 # with --enable-depend: rebuild every object when any header changes.
 $(OBJS): $(wildcard src/*.h src/*/*.h)
 
+# The include graph of src/'s modules, one line per module; fails on a
+# cycle, or on an extern that no other module uses (scripts/include-graph.py;
+# make test runs it with the build, --dot draws it for Graphviz)
+.PHONY: include-graph
+include-graph:
+	python3 scripts/include-graph.py
+
 .PHONY: test demo bench test-matrix check-regress check-isolation check-tap check-examples check-installcheck
 
 # The scripts pick the server version themselves (scripts/common.sh): a

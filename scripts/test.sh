@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 #
 # make test: install what is missing, build with warnings as errors, install,
-# then run every suite against temporary instances that preload the library:
+# check the include graph of src/ (make include-graph: no cycle), then run
+# every suite against temporary instances that preload the library:
 #
 #   installcheck  make installcheck's pg_regress (sql/ against expected/)
 #               and pg_isolation_regress (specs/ against expected/), against
@@ -32,6 +33,8 @@ use_server
 
 echo "== build and install (PostgreSQL $("$PG_CONFIG" --version | awk '{print $2}'))"
 build_and_install || exit 1
+# no include cycle between the modules, nothing exported that one uses
+python3 scripts/include-graph.py --quiet || exit 1
 
 # The suites write results and temporary instances next to the tests, so
 # they run in a copy of the tree that the runner owns.
