@@ -27,6 +27,9 @@
  * the function, so that ALTER FUNCTION replans.  EXPLAIN shows
  * "Custom Scan (idem_claim)", and with VERBOSE the call.
  *
+ * Owns: the planner hook and the Custom Scan node.
+ * May call: api/keys.h (idem_claim's columns), compat.h.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"

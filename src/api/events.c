@@ -15,6 +15,9 @@
  * An event past its retention counts as not processed, before any purge:
  * marking it again renews the row.
  *
+ * Owns: idem_mark_processed and idem_is_processed.
+ * May call: direct/tables.h, infra/ (argument checks, settings).
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"

@@ -10,6 +10,9 @@
  * order, duplicate keys or white space therefore have equal fingerprints.
  * For text and bytea, the bytes as given.
  *
+ * Owns: idem_fingerprint.
+ * May call: the server only.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"

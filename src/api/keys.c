@@ -30,6 +30,11 @@
  * Times are wall-clock (GetCurrentTimestamp), not transaction start: a lease
  * or a ttl counts from the moment the claim or the completion happens.
  *
+ * Owns: where a claim is decided (claimed, replay, in_progress, mismatch),
+ *	  completion, release and checkpoints.
+ * May call: direct/tables.h (probe, insert, update), infra/ (argument
+ *	  checks, settings, counters).  Called by api/claim_scan.c.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"

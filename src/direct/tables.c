@@ -22,6 +22,13 @@
  * statement sees it.  Triggers on these tables do not fire; the tables
  * belong to the extension.
  *
+ * Owns: the tables' OIDs (cached per backend), the probe, speculative
+ *	  insertion, updates and deletes that give up instead of waiting, index
+ *	  maintenance.
+ * May call: direct/table_check.h (on first open), compat.h.  Called by
+ *	  api/keys.c, api/events.c, direct/outbox_sql.c (the owner) and
+ *	  bgw/purge.c (the walk).
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"

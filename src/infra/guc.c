@@ -7,6 +7,11 @@
  * Every setting lives under the prefix "idempotency.", which is reserved so
  * that a misspelt name is reported instead of silently accepted.
  *
+ * Owns: every idempotency.* setting.  To add one: its variable here and
+ *	  in guc.h, its DefineCustom*Variable in idem_define_gucs, a row in
+ *	  doc/reference.md's settings table.
+ * May call: compat.h only.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"

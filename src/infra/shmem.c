@@ -11,6 +11,10 @@
  * without the lock.  A backend finds its database's slot once and keeps a
  * pointer to it.
  *
+ * Owns: the shared state, the commit callback that sets a worker's latch,
+ *	  the utility hook, idem_stats_counters().
+ * May call: direct/guard.h (from the utility hook), infra/guc.h.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
