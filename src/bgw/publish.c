@@ -759,9 +759,7 @@ blame_row(MaintenanceCursor *cursor, const char *error)
 	volatile bool recorded = false;
 
 	memset(&counts, 0, sizeof(counts));
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	PushActiveSnapshot(GetTransactionSnapshot());
+	worker_begin_unit(NULL);
 	PG_TRY();
 	{
 		worker_lock_extension();
@@ -799,10 +797,7 @@ run_publish_batch(MaintenanceCursor *cursor)
 	bool		blame;
 
 	memset(&counts, 0, sizeof(counts));
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	PushActiveSnapshot(GetTransactionSnapshot());
-	pgstat_report_activity(STATE_RUNNING, maintenance_unit_names[UNIT_PUBLISH]);
+	worker_begin_unit(maintenance_unit_names[UNIT_PUBLISH]);
 
 	PG_TRY();
 	{

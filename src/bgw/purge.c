@@ -463,10 +463,7 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 		SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
 
 	memset(&counts, 0, sizeof(counts));
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	PushActiveSnapshot(GetTransactionSnapshot());
-	pgstat_report_activity(STATE_RUNNING, maintenance_unit_names[unit]);
+	worker_begin_unit(maintenance_unit_names[unit]);
 
 	PG_TRY();
 	{
@@ -747,11 +744,8 @@ prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	}
 	if (last->span > 0)
 		wait_for_older_snapshots(last->xid, cursor);
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	/* which rows are dead to all goes by the horizons of the last snapshot */
-	PushActiveSnapshot(GetTransactionSnapshot());
-	pgstat_report_activity(STATE_RUNNING, maintenance_unit_names[unit]);
+	/* which rows are dead to all goes by the horizons of its snapshot */
+	worker_begin_unit(maintenance_unit_names[unit]);
 	PG_TRY();
 	{
 		worker_lock_extension();

@@ -17,9 +17,28 @@
 #include "catalog/pg_extension.h"
 #include "commands/extension.h"
 #include "miscadmin.h"
+#include "pgstat.h"
 #include "storage/lmgr.h"
+#include "utils/snapmgr.h"
 
 #include "bgw/worker_xact.h"
+
+/*
+ * Begin a unit of the worker's work: a transaction of its own, with a
+ * snapshot, shown in pg_stat_activity as activity (NULL: left as it is).
+ * The unit then takes the extension's lock (worker_lock_extension) in its
+ * PG_TRY, and ends with PopActiveSnapshot and a commit, or in
+ * worker_report_and_abort.
+ */
+void
+worker_begin_unit(const char *activity)
+{
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	if (activity != NULL)
+		pgstat_report_activity(STATE_RUNNING, activity);
+}
 
 /*
  * Hold the extension for the rest of this transaction, before touching any
