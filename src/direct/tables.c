@@ -33,7 +33,6 @@
  */
 #include "postgres.h"
 
-#include "access/heapam.h"
 #include "access/relation.h"
 #include "access/table.h"
 #include "access/xact.h"
@@ -46,10 +45,7 @@
 #include "executor/executor.h"
 #include "executor/tuptable.h"
 #include "miscadmin.h"
-#include "storage/bufmgr.h"
-#include "storage/freespace.h"
 #include "storage/lmgr.h"
-#include "storage/procarray.h"
 #include "utils/fmgroids.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
