@@ -157,7 +157,8 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
  * it deleted rows on, and enter their free space in the free space map.
  * Until then the rows written meanwhile would grow the table, however much
  * of it the purge emptied; and the vacuum after a large purge waits for a
- * quiet moment (see the worker), which a busy server may not have for long.
+ * quiet moment (see vacuum_after_purge), which a busy server may not have
+ * for long.
  * The dead rows' index entries remain for the vacuum to remove, as do their
  * line pointers, left dead.  Only rows no snapshot can see any more are
  * pruned: the caller gives the snapshots older than the batch's commit time

@@ -217,7 +217,7 @@ check_alter_function(AlterFunctionStmt *stmt)
 /*
  * DROP EXTENSION idempotency from inside a restricted operation: a route's
  * function, which the worker calls with the outbox row it publishes still to
- * be marked (outbox.c would refuse the attempt afterwards; refusing here
+ * be marked (bgw/publish.c would refuse the attempt afterwards; refusing here
  * spares the drop's locks on every table of the extension meanwhile).
  */
 static void
