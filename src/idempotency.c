@@ -5,7 +5,7 @@
  *	  to the server, and does nothing else.
  *
  * Owns: the order of registration.
- * May call: the register functions of api/claim_scan.h, bgw/worker.h,
+ * May call: the register functions of api/claim_scan.h, bgw/launcher.h,
  *	  infra/guc.h and infra/shmem.h.  Nothing includes this file's symbols.
  *
  *-------------------------------------------------------------------------
@@ -16,7 +16,7 @@
 #include "miscadmin.h"
 
 #include "api/claim_scan.h"
-#include "bgw/worker.h"
+#include "bgw/launcher.h"
 #include "infra/guc.h"
 #include "infra/shmem.h"
 

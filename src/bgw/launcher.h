@@ -1,13 +1,13 @@
 /*-------------------------------------------------------------------------
  *
- * worker.h
- *	  The launcher and the per-database background workers.
+ * launcher.h
+ *	  The launcher of the per-database background workers.
  *
  *-------------------------------------------------------------------------
  */
-#ifndef IDEMPOTENCY_WORKER_H
-#define IDEMPOTENCY_WORKER_H
+#ifndef IDEMPOTENCY_LAUNCHER_H
+#define IDEMPOTENCY_LAUNCHER_H
 
 extern void idem_register_launcher(void);
 
-#endif							/* IDEMPOTENCY_WORKER_H */
+#endif							/* IDEMPOTENCY_LAUNCHER_H */
