@@ -794,6 +794,7 @@ run_publish_batch(MaintenanceCursor *cursor)
 	MaintenanceCounts counts;
 	ErrorData  *volatile error = NULL;
 	volatile bool more = false;
+	volatile bool batch_began = false;
 	bool		blame;
 
 	memset(&counts, 0, sizeof(counts));
@@ -802,6 +803,7 @@ run_publish_batch(MaintenanceCursor *cursor)
 	PG_TRY();
 	{
 		worker_lock_extension();
+		batch_began = true;
 		more = publish_batch(cursor, &counts);
 		PopActiveSnapshot();
 		worker_count_own_xid();
@@ -821,7 +823,19 @@ run_publish_batch(MaintenanceCursor *cursor)
 	}
 	PG_END_TRY();
 
-	if (error != NULL)
+	if (error != NULL && !batch_began)
+	{
+		/*
+		 * No row was tried (the extension was dropped meanwhile, most
+		 * likely): no row is to blame, and the next way would fail the same,
+		 * for ever, since only a batch moves the cursor on.  Stop until the
+		 * next round, which looks for the extension first.
+		 */
+		cursor->publish_way = PUBLISH_FAST;
+		more = false;
+		FreeErrorData(error);
+	}
+	else if (error != NULL)
 	{
 		more = publish_failed(cursor, error, &blame);
 		if (blame && blame_row(cursor, error->message))
