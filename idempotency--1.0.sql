@@ -199,7 +199,7 @@ CREATE SEQUENCE idempotency.outbox_id_seq AS bigint;
  * A row is pending (ready from available_at), leased (handed out until
  * available_at), dead (failed outbox_max_attempts times; holds back its key)
  * or published (kept for idempotency.outbox_retention, then purged).  The
- * columns map onto Debezium's outbox event router: see the README.
+ * columns map onto Debezium's outbox event router: see doc/integrations/debezium.md.
  */
 CREATE TABLE idempotency.outbox (
 	id				bigint NOT NULL DEFAULT nextval('idempotency.outbox_id_seq'),

@@ -13,7 +13,7 @@ SHOW idempotency.lease;
 SHOW idempotency.release_statuses;
 
 -- every primary key leads with the column a Citus cluster would distribute
--- the table by (see the README's Citus section)
+-- the table by (see doc/integrations/citus.md)
 SELECT c.relname AS "table", a.attname AS first_primary_key_column
 FROM pg_index i
 JOIN pg_class c ON c.oid = i.indrelid

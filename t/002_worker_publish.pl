@@ -48,16 +48,26 @@ $node->poll_query_until('postgres',
 my $worker_pid = $node->safe_psql('postgres',
 	"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database postgres'");
 
+# Waits until every row of the topic is published; false if that never
+# happens (poll_query_until's timeout), for ok() to report.
+sub published
+{
+	my ($topic) = @_;
+	return $node->poll_query_until('postgres',
+		"SELECT count(*) = 0 FROM idempotency.outbox WHERE topic = '$topic' AND state <> 'published'");
+}
+
 sub wait_published
 {
 	my ($topic) = @_;
-	$node->poll_query_until('postgres',
-		"SELECT count(*) = 0 FROM idempotency.outbox WHERE topic = '$topic' AND state <> 'published'")
-	  or die "rows of topic $topic were not published";
+	published($topic) or die "rows of topic $topic were not published";
 }
 
 # --- commit to publish well before the naptime (10 s): the commit wakes it
-sleep(1);    # the worker has finished its first round and sleeps
+# the worker has finished its first round (it purges last) and sleeps
+$node->poll_query_until('postgres',
+	"SELECT worker_last_round IS NOT NULL FROM idempotency.stats")
+  or die "the worker has not finished a round";
 $node->safe_psql('postgres', "SELECT idempotency.idem_outbox_enqueue('fast', '{\"n\": 1}')");
 wait_published('fast');
 my $delay = $node->safe_psql('postgres',
@@ -187,8 +197,12 @@ $node->safe_psql('postgres', q{
 	SELECT idempotency.idem_outbox_enqueue('fast', jsonb_build_object('n', n), 'key-' || n)
 	FROM generate_series(7, 11) n;
 });
-wait_published('fast');
-pass('rows of other keys are published past 78 rows held back by a dead one');
+ok(published('fast'), 'rows of other keys are published past 78 rows held back by a dead one');
+is($node->safe_psql('postgres', "SELECT count(*) FROM sink WHERE topic = 'fast'"),
+	'11', 'every row of the other keys reached the sink');
+is($node->safe_psql('postgres',
+		"SELECT count(*) FROM idempotency.outbox WHERE topic = 'bad' AND key = 'poison' AND state = 'pending' AND attempts = 0"),
+	'79', 'the 79 rows behind the dead one wait, untried');
 
 # --- a route function runs with search_path pinned, and what it SETs does
 # not stick to the worker
@@ -204,9 +218,11 @@ $node->safe_psql('postgres', q{
 wait_published('meddle');
 is($node->safe_psql('postgres', "SELECT key FROM sink WHERE topic = 'meddle'"),
 	'pg_catalog, pg_temp', 'route functions see search_path pg_catalog, pg_temp');
+# read-only, the worker could no longer publish: the next row proves it is not
 $node->safe_psql('postgres', "SELECT idempotency.idem_outbox_enqueue('fast', '{\"after\": \"meddle\"}')");
-wait_published('fast');
-pass('a setting changed by a route function did not stick to the worker');
+ok(published('fast'), 'a setting changed by a route function did not stick to the worker');
+is($node->safe_psql('postgres', "SELECT count(*) FROM sink WHERE topic = 'fast'"),
+	'12', 'the row enqueued after the route function reached the sink');
 
 # --- publishing commits synchronously, also after a purge, whose batches
 # commit asynchronously (the worker purged when it started)
@@ -228,12 +244,14 @@ is($node->safe_psql('postgres', "SELECT key FROM sink WHERE topic = 'durable'"),
 # --- SIGHUP: a changed setting is honoured without a restart
 $node->safe_psql('postgres', "ALTER SYSTEM SET idempotency.outbox_retention = '1h'");
 $node->reload;
-usleep(300_000);
-$node->safe_psql('postgres', "SELECT idempotency.idem_outbox_enqueue('fast', '{\"after\": \"reload\"}')");
-$node->poll_query_until('postgres',
-	"SELECT count(*) = 1 FROM idempotency.outbox WHERE topic = 'fast' AND state = 'published'")
-  or die "the reloaded retention was not applied";
-pass('after SIGHUP, published rows are kept for outbox_retention');
+# The worker reloads when it next wakes, and a row published before that is
+# deleted at once: each poll enqueues a row, until one published after the
+# reload is kept.
+ok( $node->poll_query_until('postgres', q{
+		SELECT idempotency.idem_outbox_enqueue('fast', '{"after": "reload"}') IS NOT NULL
+		   AND (SELECT count(*) > 0 FROM idempotency.outbox
+				WHERE topic = 'fast' AND state = 'published')}),
+	'after SIGHUP, published rows are kept for outbox_retention');
 
 $node->stop;
 done_testing();

@@ -37,7 +37,11 @@ $primary->safe_psql('postgres', q{
 $primary->wait_for_catchup($standby);
 $primary->stop;
 
-sleep(2);
+# The launcher is registered to start when recovery finishes: it does not
+# start on a hot standby.  Checked twice: nothing runs now, and, after the
+# promotion, the standby's log shows the launcher starting only after the
+# promotion's new timeline (a launcher started during recovery would have
+# logged before it).
 is($standby->safe_psql('postgres',
 		"SELECT count(*) FROM pg_stat_activity WHERE backend_type LIKE 'idempotency%'"),
 	'0', 'a hot standby runs no idempotency worker');
@@ -48,6 +52,11 @@ $standby->promote;
 ok($standby->poll_query_until('postgres',
 		"SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database postgres'"),
 	'after promotion the worker starts');
+my $log = slurp_file($standby->logfile);
+my $promoted = index($log, 'selected new timeline ID');
+my $launched = index($log, 'idempotency launcher started');
+ok($promoted >= 0 && $launched > $promoted,
+	'the launcher started after the promotion, not during recovery');
 ok($standby->poll_query_until('postgres', 'SELECT count(*) = 3 FROM sink'),
 	'and publishes the rows that were waiting');
 is($standby->safe_psql('postgres', 'SELECT count(*) FROM idempotency.outbox'),

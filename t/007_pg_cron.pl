@@ -1,8 +1,8 @@
 # pg_cron where preloading idempotency is impossible: an instance that
 # preloads pg_cron only (as on a managed service that offers pg_cron but not
 # our library) runs idempotency.idem_run_maintenance() on a schedule, with the
-# exact calls the README gives, and that job alone purges expired keys and
-# processed events and publishes the outbox.
+# exact calls doc/integrations/pg-cron.md gives, and that job alone purges
+# expired keys and processed events and publishes the outbox.
 #
 # Debian's postgresql-15-cron is pg_cron 1.4, whose finest schedule is a
 # minute (second intervals came in 1.5), so the first run comes at the next
@@ -117,11 +117,12 @@ is($node->safe_psql('app',
 is($node->safe_psql('app', 'SELECT purged IS NULL AND published IS NULL FROM idempotency.stats'),
 	't', 'and the cumulative counters are NULL without preload');
 
-# --- schedule it, exactly as the README says
+# --- schedule it, exactly as doc/integrations/pg-cron.md says
 my $schedule = '* * * * *';
 if ($cron_version =~ /^1\.[0-4]\b/)
 {
-	# the README says second intervals need pg_cron 1.5: 1.4 refuses them
+	# doc/integrations/pg-cron.md says second intervals need pg_cron 1.5:
+	# 1.4 refuses them
 	($ret, $out, $err) = $node->psql('app',
 		"SELECT cron.schedule('too-fast', '1 seconds', 'SELECT idempotency.idem_run_maintenance()')");
 	isnt($ret, 0, "pg_cron $cron_version refuses a '1 seconds' schedule");

@@ -4,16 +4,18 @@
 # and later), decoded byte by byte in Perl:
 #
 #  (a) the worker's logical route: transactional logical decoding messages
-#      with the prefix the README puts in message.prefix.include.list, whose
-#      content is the JSON object that DecodeLogicalDecodingMessageContent
-#      turns into the record's "after" and the outbox event router then reads
+#      with the prefix that doc/integrations/debezium.md puts in
+#      message.prefix.include.list, whose content is the JSON object that
+#      DecodeLogicalDecodingMessageContent turns into the record's "after"
+#      and the outbox event router then reads
 #      (id, topic, key, payload, headers, created_at): one per outbox row.
 #      Read through the SQL functions, and through pg_recvlogical over the
 #      replication protocol, as the connector streams.
 #  (b) the outbox table captured by a publication: the relation's columns
-#      and each INSERT's values, for the columns the README maps onto the
-#      outbox event router; the worker's DELETE of each row once published;
-#      and what each kind of route adds to the stream.
+#      and each INSERT's values, for the columns that
+#      doc/integrations/debezium.md maps onto the outbox event router; the
+#      worker's DELETE of each row once published; and what each kind of
+#      route adds to the stream.
 #
 # No Kafka Connect runs here; what the connector does with these bytes is
 # Debezium's code (PgOutputMessageDecoder, EventRouter,
@@ -34,10 +36,10 @@ shared_preload_libraries = 'idempotency'
 });
 $node->start;
 
-# The prefix the README tells users to put in Debezium's
+# The prefix doc/integrations/debezium.md tells users to put in Debezium's
 # message.prefix.include.list (a list of regular expressions, each matched
 # against the whole prefix), and the default prefix of a logical route.
-my $readme_prefix = 'idempotency.outbox';
+my $documented_prefix = 'idempotency.outbox';
 
 my $json = JSON::PP->new->canonical;
 
@@ -248,9 +250,9 @@ $node->safe_psql('postgres', "SELECT pg_logical_emit_message(false, 'test.end', 
 my @decoded = in_transactions(slot_changes('dbz_messages', 'dbz_messages'));
 my @ours = grep { $_->{type} eq 'M' && $_->{prefix} ne 'test.end' } @decoded;
 is(scalar(@ours), 5, 'five logical decoding messages for five rows');
-is(scalar(grep { $_->{prefix} eq $readme_prefix } @ours), 5,
-	"each with the prefix '$readme_prefix'");
-ok(scalar(grep { $_->{prefix} =~ /\A(?:$readme_prefix)\z/ } @ours) == 5,
+is(scalar(grep { $_->{prefix} eq $documented_prefix } @ours), 5,
+	"each with the prefix '$documented_prefix'");
+ok(scalar(grep { $_->{prefix} =~ /\A(?:$documented_prefix)\z/ } @ours) == 5,
 	'which message.prefix.include.list matches as a whole-prefix regular expression');
 is(scalar(grep { $_->{flags} == 1 && defined $_->{xid} } @ours), 5,
 	'all transactional (flags 1), inside the BEGIN/COMMIT of the worker\'s transaction');
@@ -347,8 +349,8 @@ my $type_of = sub {
 	return $column{$name} ? $column{$name}{typoid} : 'missing';
 };
 
-# The README's outbox event router settings, column by column, and the type
-# of each as pgoutput announces it (Debezium maps bigint to INT64, text to
+# The outbox event router settings of doc/integrations/debezium.md, column
+# by column, and the type of each as pgoutput announces it (Debezium maps bigint to INT64, text to
 # STRING, jsonb to STRING with the io.debezium.data.Json name, which
 # table.expand.json.payload turns back into a structure).
 my %router = (
