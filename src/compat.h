@@ -118,4 +118,16 @@ typedef bool CompatUpdateIndexes;
 #define compat_wait_event_extension(name) PG_WAIT_EXTENSION
 #endif
 
+/*
+ * This backend's process number (its PGPROC's index): MyProcNumber from 17,
+ * MyProc->pgprocno before.
+ */
+#if PG_VERSION_NUM >= 170000
+#include "storage/procnumber.h"
+#define compat_my_proc_number() ((int) MyProcNumber)
+#else
+#include "storage/proc.h"
+#define compat_my_proc_number() (MyProc->pgprocno)
+#endif
+
 #endif							/* IDEMPOTENCY_COMPAT_H */

@@ -11,37 +11,46 @@
  *	  wake-up; nothing here reads a table.
  * May call: infra/args.h (idem_timestamp_plus), infra/guc.h, compat.h.
  *
- * A wait slot is a (database, hash of scope and key) with a count of the
- * backends waiting for that key and a condition variable they sleep on.
- * The slots are split into WAIT_PARTITIONS partitions by the hash, each a
- * fixed run of slots under an LWLock of its own; idempotency.wait_slots
- * sizes them (by default twice MaxBackends, which a backend waiting for at
- * most one key at a time cannot exhaust unless its hashes crowd one
- * partition).  A waiter that finds no free slot in its partition, or a
- * server without the library preloaded, polls instead: a short latch sleep
- * and another look.  Two keys with the same hash share a slot, which only
- * costs a spurious wake-up.
+ * A wait slot is a (database, hash of scope and key) with the list of the
+ * backends waiting for that key.  The slots are split into WAIT_PARTITIONS
+ * partitions by the hash, each a fixed run of slots under an LWLock of its
+ * own; idempotency.wait_slots sizes them (by default twice MaxBackends,
+ * which backends waiting for at most one key each cannot exhaust unless
+ * their hashes crowd one partition).  A waiter that finds no free slot in
+ * its partition, or a server without the library preloaded, polls instead:
+ * a short latch sleep and another look.  Two keys with the same hash share
+ * a slot, which only costs a spurious wake-up.
  *
- * The waiter: registers in its key's slot, prepares to sleep on the slot's
- * condition variable, and only then looks at the key again (the caller's
- * next probe), so that a holder committing between the first look and the
- * registration is either seen by that look or finds the waiter registered.
- * It then sleeps until the earliest of its deadline, the holder's lease
- * expiry (a committed claim, two-transaction mode) and RECHECK_MS, and
- * looks again after each wake-up.  It holds no lock while it sleeps: no
- * row lock, no tuple lock, no lock on the key, and no buffer pin; only the
- * relation locks every statement on the table keeps until its transaction
- * ends.  ConditionVariableTimedSleep answers cancel and statement_timeout
- * at once.
+ * The waiter: registers in its key's slot (its entry in waiters[], by
+ * process number, linked into the slot's list), and only then looks at the
+ * key again (the caller's next probe), so that a holder committing between
+ * the first look and the registration is either seen by that look or finds
+ * the waiter registered and sets its latch.  It then sleeps on its own
+ * latch until the earliest of its deadline, the holder's lease expiry (a
+ * committed claim, two-transaction mode) and RECHECK_MS, and looks again
+ * after each wake-up; a latch set while it looks makes the next sleep
+ * return at once.  It holds no lock while it sleeps: no row lock, no tuple
+ * lock, no lock on the key, and no buffer pin; only the relation locks
+ * every statement on the table keeps until its transaction ends.  WaitLatch
+ * answers cancel and statement_timeout at once.
  *
  * The holder: each idem_claim that claims and each idem_complete,
  * idem_release or idem_checkpoint remembers the key's hash in this
  * backend.  When the transaction commits or aborts, or a subtransaction
  * aborts, and anyone waits at all (one atomic counter, read after a
- * memory barrier), it broadcasts the remembered keys' slots.  Its commit is
- * visible to others by then (the callbacks run after ProcArrayEndTransaction),
- * so a woken waiter's next look sees it.  With no waiter anywhere the cost
- * is a hash per changed key and one atomic read per transaction.
+ * memory barrier), it takes the remembered keys' waiters off their slots'
+ * lists, under the partitions' locks, and sets their latches once it has
+ * let go of the locks.  Its commit is visible to others by then (the
+ * callbacks run after ProcArrayEndTransaction), so a woken waiter's next
+ * look sees it.  With no waiter anywhere the cost is a hash per changed
+ * key and one atomic read per transaction.
+ *
+ * Why not a condition variable: a hundred waiters of one key, woken
+ * together, would each take its spinlock twice more (to put themselves
+ * back on its list, then to leave it), and on a machine with fewer cores
+ * than waiters a spinlock holder that loses its core sends the others into
+ * spin delays of a millisecond and more.  Here a woken waiter that has its
+ * answer touches no lock at all; one that must wait again registers anew.
  *
  * RECHECK_MS bounds a sleep that nothing announces: a prepared transaction
  * committed by another session, a key changed by plain SQL, the purge of an
@@ -56,12 +65,13 @@
 #include "miscadmin.h"
 #include "pgstat.h"
 #include "port/atomics.h"
-#include "storage/condition_variable.h"
+#include "storage/proc.h"
 #include "storage/ipc.h"
 #include "storage/latch.h"
 #include "storage/lwlock.h"
 #include "storage/shmem.h"
 #include "utils/builtins.h"
+#include "utils/memutils.h"
 #include "utils/timestamp.h"
 
 #include "compat.h"
@@ -81,19 +91,36 @@
 /* Keys a transaction remembers one by one; past that, it wakes them all. */
 #define MAX_CHANGED_KEYS	64
 
+#define NO_WAITER			(-1)
+
+/* A slot: one key and the backends that wait for it. */
 typedef struct ClaimWaitSlot
 {
 	Oid			dboid;			/* the key's database */
 	uint32		nwaiters;		/* backends registered here; 0: free */
 	uint64		keyhash;		/* the key's hash (see key_hash) */
-	ConditionVariable cv;		/* they sleep on this */
+	int			first_waiter;	/* index in waiters[], or NO_WAITER */
 } ClaimWaitSlot;
 
+/* A backend, by process number, while it waits in a slot. */
+typedef struct ClaimWaiter
+{
+	int			next_waiter;	/* the slot's next waiter, or NO_WAITER */
+	Latch	   *latch;			/* set to wake it */
+	pg_atomic_uint32 in_slot;	/* 1 while on a slot's list; 0 once woken */
+} ClaimWaiter;
+
+/*
+ * The slots and the waiters' entries are protected by the lock of the
+ * slot's partition; nwaiters is read without it.
+ */
 typedef struct ClaimWaitShared
 {
 	pg_atomic_uint32 nwaiters;	/* waiters registered in any slot */
 	int			slots_per_partition;
+	int			nwaiter_entries;	/* MaxBackends */
 	LWLockPadded *locks;		/* WAIT_PARTITIONS, one per partition */
+	ClaimWaiter *waiters;		/* nwaiter_entries, after the slots */
 	ClaimWaitSlot slots[FLEXIBLE_ARRAY_MEMBER];
 } ClaimWaitShared;
 
@@ -110,6 +137,9 @@ static bool callbacks_registered = false;
 /* The slot this backend waits in, so that an error or exit leaves it. */
 static ClaimWaitSlot *registered_slot = NULL;
 
+/* The latches a wake-up sets, gathered under a lock and set after it. */
+static Latch **latches_to_set = NULL;
+
 static int
 slots_per_partition(void)
 {
@@ -119,11 +149,17 @@ slots_per_partition(void)
 }
 
 static Size
-wait_shared_size(void)
+slots_size(void)
 {
 	return add_size(offsetof(ClaimWaitShared, slots),
 					mul_size(mul_size(WAIT_PARTITIONS, slots_per_partition()),
 							 sizeof(ClaimWaitSlot)));
+}
+
+static Size
+wait_shared_size(void)
+{
+	return add_size(MAXALIGN(slots_size()), mul_size(MaxBackends, sizeof(ClaimWaiter)));
 }
 
 /* From shmem.c's shmem_request_hook: MaxBackends is known by then. */
@@ -145,13 +181,21 @@ idem_claim_wait_shmem_init(void)
 		return;
 	pg_atomic_init_u32(&wait_shared->nwaiters, 0);
 	wait_shared->slots_per_partition = slots_per_partition();
+	wait_shared->nwaiter_entries = MaxBackends;
 	wait_shared->locks = GetNamedLWLockTranche(WAIT_TRANCHE_NAME);
+	wait_shared->waiters = (ClaimWaiter *) ((char *) wait_shared + MAXALIGN(slots_size()));
 	for (int i = 0; i < WAIT_PARTITIONS * wait_shared->slots_per_partition; i++)
 	{
 		wait_shared->slots[i].dboid = InvalidOid;
 		wait_shared->slots[i].nwaiters = 0;
 		wait_shared->slots[i].keyhash = 0;
-		ConditionVariableInit(&wait_shared->slots[i].cv);
+		wait_shared->slots[i].first_waiter = NO_WAITER;
+	}
+	for (int i = 0; i < wait_shared->nwaiter_entries; i++)
+	{
+		wait_shared->waiters[i].next_waiter = NO_WAITER;
+		wait_shared->waiters[i].latch = NULL;
+		pg_atomic_init_u32(&wait_shared->waiters[i].in_slot, 0);
 	}
 }
 
@@ -197,25 +241,61 @@ wait_event(void)
 	return event;
 }
 
-/* Leave the slot this backend is registered in, if any. */
+/* This backend's entry in waiters[], or -1 if it has none. */
+static int
+my_waiter_index(void)
+{
+	int			procno = compat_my_proc_number();
+
+	return procno >= 0 && procno < wait_shared->nwaiter_entries ? procno : -1;
+}
+
+/* Has a wake-up taken this backend off its slot's list? */
+static bool
+woken(void)
+{
+	return pg_atomic_read_u32(&wait_shared->waiters[my_waiter_index()].in_slot) == 0;
+}
+
+/*
+ * Leave the slot this backend is registered in, if any.  A waiter that was
+ * woken is off the list already, which is what lets a hundred waiters of
+ * one key answer without taking any lock.
+ */
 static void
 leave_slot(void)
 {
 	ClaimWaitSlot *slot = registered_slot;
+	int			me = my_waiter_index();
 	int			partition;
 
 	if (slot == NULL)
 		return;
 	registered_slot = NULL;
-	ConditionVariableCancelSleep();
+	if (woken())
+		return;
 
 	partition = (int) ((slot - wait_shared->slots) / wait_shared->slots_per_partition);
 	LWLockAcquire(partition_lock(partition), LW_EXCLUSIVE);
-	Assert(slot->nwaiters > 0);
-	if (--slot->nwaiters == 0)
-		slot->dboid = InvalidOid;
+	/* the only one who takes it off besides us holds this lock to do so */
+	if (!woken())
+	{
+		for (int *link = &slot->first_waiter; *link != NO_WAITER;
+			 link = &wait_shared->waiters[*link].next_waiter)
+		{
+			if (*link == me)
+			{
+				*link = wait_shared->waiters[me].next_waiter;
+				break;
+			}
+		}
+		pg_atomic_write_u32(&wait_shared->waiters[me].in_slot, 0);
+		Assert(slot->nwaiters > 0);
+		if (--slot->nwaiters == 0)
+			slot->dboid = InvalidOid;
+		pg_atomic_fetch_sub_u32(&wait_shared->nwaiters, 1);
+	}
 	LWLockRelease(partition_lock(partition));
-	pg_atomic_fetch_sub_u32(&wait_shared->nwaiters, 1);
 }
 
 static void
@@ -234,8 +314,11 @@ enter_slot(uint64 keyhash)
 	int			partition = partition_of(keyhash);
 	ClaimWaitSlot *slots = partition_slots(partition);
 	ClaimWaitSlot *slot = NULL;
+	int			me = my_waiter_index();
 
 	Assert(registered_slot == NULL);
+	if (me < 0)
+		return NULL;
 	register_callbacks();
 
 	LWLockAcquire(partition_lock(partition), LW_EXCLUSIVE);
@@ -252,16 +335,20 @@ enter_slot(uint64 keyhash)
 	}
 	if (slot != NULL)
 	{
+		if (slot->nwaiters == 0)
+			slot->first_waiter = NO_WAITER;
 		slot->dboid = MyDatabaseId;
 		slot->keyhash = keyhash;
 		slot->nwaiters++;
+		wait_shared->waiters[me].latch = MyLatch;
+		wait_shared->waiters[me].next_waiter = slot->first_waiter;
+		pg_atomic_write_u32(&wait_shared->waiters[me].in_slot, 1);
+		slot->first_waiter = me;
 		registered_slot = slot;
+		/* a full barrier: see wake_changed_keys */
+		pg_atomic_fetch_add_u32(&wait_shared->nwaiters, 1);
 	}
 	LWLockRelease(partition_lock(partition));
-
-	/* a full barrier: see wake_changed_keys */
-	if (slot != NULL)
-		pg_atomic_fetch_add_u32(&wait_shared->nwaiters, 1);
 	return slot;
 }
 
@@ -317,13 +404,18 @@ claim_wait_sleep(ClaimWait *wait, TimestampTz holder_lease_end)
 	if (now >= wait->deadline)
 		return false;
 
-	if (!wait->started)
+	/*
+	 * Register before the first sleep, and again after a wake-up that found
+	 * the key still held (a wake-up takes the waiters off the list); then
+	 * look at the key once more before sleeping.
+	 */
+	if (!wait->started || (wait->slot != NULL && woken()))
 	{
 		wait->started = true;
+		leave_slot();
+		wait->slot = NULL;
 		if (wait_shared != NULL && wait_shared->slots_per_partition > 0)
 			wait->slot = enter_slot(wait->keyhash);
-		if (wait->slot != NULL)
-			ConditionVariablePrepareToSleep(&wait->slot->cv);
 		return true;
 	}
 
@@ -335,15 +427,10 @@ claim_wait_sleep(ClaimWait *wait, TimestampTz holder_lease_end)
 	timeout_ms = Max(timeout_ms, 1);
 	timeout_ms = Min(timeout_ms, wait->slot != NULL ? RECHECK_MS : POLL_MS);
 
-	if (wait->slot != NULL)
-		(void) ConditionVariableTimedSleep(&wait->slot->cv, timeout_ms, wait_event());
-	else
-	{
-		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-						 timeout_ms, wait_event());
-		ResetLatch(MyLatch);
-		CHECK_FOR_INTERRUPTS();
-	}
+	(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+					 timeout_ms, wait_event());
+	ResetLatch(MyLatch);
+	CHECK_FOR_INTERRUPTS();
 	return true;
 }
 
@@ -356,7 +443,33 @@ claim_wait_end(ClaimWait *wait)
 	wait->slot = NULL;
 }
 
-/* Broadcast the slots of the keys this transaction changed, if anyone waits. */
+/*
+ * Take every waiter off a slot's list, which frees the slot, and add their
+ * latches to latches_to_set; the caller holds the partition's lock
+ * exclusively, and sets the latches once it has let go of it.
+ */
+static void
+detach_waiters(ClaimWaitSlot *slot, int *nlatches)
+{
+	for (int w = slot->first_waiter; w != NO_WAITER; w = wait_shared->waiters[w].next_waiter)
+	{
+		latches_to_set[(*nlatches)++] = wait_shared->waiters[w].latch;
+		pg_atomic_write_u32(&wait_shared->waiters[w].in_slot, 0);
+	}
+	pg_atomic_fetch_sub_u32(&wait_shared->nwaiters, slot->nwaiters);
+	slot->first_waiter = NO_WAITER;
+	slot->nwaiters = 0;
+	slot->dboid = InvalidOid;
+}
+
+static void
+set_latches(int nlatches)
+{
+	for (int i = 0; i < nlatches; i++)
+		SetLatch(latches_to_set[i]);
+}
+
+/* Wake the waiters of the keys this transaction changed, if anyone waits. */
 static void
 wake_changed_keys(void)
 {
@@ -374,12 +487,14 @@ wake_changed_keys(void)
 		for (int partition = 0; partition < WAIT_PARTITIONS; partition++)
 		{
 			ClaimWaitSlot *slots = partition_slots(partition);
+			int			nlatches = 0;
 
-			LWLockAcquire(partition_lock(partition), LW_SHARED);
+			LWLockAcquire(partition_lock(partition), LW_EXCLUSIVE);
 			for (int i = 0; i < wait_shared->slots_per_partition; i++)
 				if (slots[i].nwaiters > 0 && slots[i].dboid == MyDatabaseId)
-					ConditionVariableBroadcast(&slots[i].cv);
+					detach_waiters(&slots[i], &nlatches);
 			LWLockRelease(partition_lock(partition));
+			set_latches(nlatches);
 		}
 		return;
 	}
@@ -388,18 +503,20 @@ wake_changed_keys(void)
 	{
 		int			partition = partition_of(changed_keys[k]);
 		ClaimWaitSlot *slots = partition_slots(partition);
+		int			nlatches = 0;
 
-		LWLockAcquire(partition_lock(partition), LW_SHARED);
+		LWLockAcquire(partition_lock(partition), LW_EXCLUSIVE);
 		for (int i = 0; i < wait_shared->slots_per_partition; i++)
 		{
 			if (slots[i].nwaiters > 0 && slots[i].dboid == MyDatabaseId &&
 				slots[i].keyhash == changed_keys[k])
 			{
-				ConditionVariableBroadcast(&slots[i].cv);
+				detach_waiters(&slots[i], &nlatches);
 				break;
 			}
 		}
 		LWLockRelease(partition_lock(partition));
+		set_latches(nlatches);
 	}
 }
 
@@ -464,6 +581,9 @@ register_callbacks(void)
 {
 	if (callbacks_registered)
 		return;
+	/* now, not in a callback at abort, where allocating could fail */
+	latches_to_set = MemoryContextAlloc(TopMemoryContext,
+										sizeof(Latch *) * wait_shared->nwaiter_entries);
 	RegisterXactCallback(claim_wait_xact_callback, NULL);
 	RegisterSubXactCallback(claim_wait_subxact_callback, NULL);
 	before_shmem_exit(leave_slot_at_exit, (Datum) 0);
