@@ -254,7 +254,11 @@ my_waiter_index(void)
 static bool
 woken(void)
 {
-	return pg_atomic_read_u32(&wait_shared->waiters[my_waiter_index()].in_slot) == 0;
+	if (pg_atomic_read_u32(&wait_shared->waiters[my_waiter_index()].in_slot) != 0)
+		return false;
+	/* what we write to our entry from now on comes after the waker is done */
+	pg_memory_barrier();
+	return true;
 }
 
 /*
@@ -451,10 +455,18 @@ claim_wait_end(ClaimWait *wait)
 static void
 detach_waiters(ClaimWaitSlot *slot, int *nlatches)
 {
-	for (int w = slot->first_waiter; w != NO_WAITER; w = wait_shared->waiters[w].next_waiter)
+	int			next;
+
+	for (int w = slot->first_waiter; w != NO_WAITER; w = next)
 	{
+		/*
+		 * Read the entry before letting its backend go: once in_slot is 0 it
+		 * may register elsewhere, under another partition's lock, and
+		 * rewrite it (the exchange is a full barrier).
+		 */
+		next = wait_shared->waiters[w].next_waiter;
 		latches_to_set[(*nlatches)++] = wait_shared->waiters[w].latch;
-		pg_atomic_write_u32(&wait_shared->waiters[w].in_slot, 0);
+		(void) pg_atomic_exchange_u32(&wait_shared->waiters[w].in_slot, 0);
 	}
 	pg_atomic_fetch_sub_u32(&wait_shared->nwaiters, slot->nwaiters);
 	slot->first_waiter = NO_WAITER;
