@@ -16,8 +16,14 @@ a million expired keys, three times, the second time while 8 clients claim
 and after it).  The last line printed is one JSON
 object with the headline ratios (ours / reference: higher is better).
 
+Then idem_claim's wait, in a cluster of its own (max_connections 1100): how
+soon a waiter answers once its holder commits, with 100 waiters on one key
+and with 1,000 waiters on 1,000 keys; and claim + complete with 1,000
+waiters parked, against the same without them.
+
 Environment: BENCH_SECONDS, BENCH_ROUNDS, BENCH_PUBLISH_SECONDS, BENCH_PURGE_ROWS,
-BENCH_PARTS (a subset of pairs,shapes,publish,purge), BENCH_PAIRS (names of
+BENCH_WAITERS (1000), BENCH_PARTS (a subset of pairs,shapes,publish,wait,purge),
+BENCH_PAIRS (names of
 the pairs to run, comma-separated; all by default), BENCH_EXTRA_CONF
 (postgresql.conf lines for the cluster, separated by ';'), PG_CONFIG.
 """
@@ -42,7 +48,8 @@ PUBLISH_SECONDS = int(os.environ.get("BENCH_PUBLISH_SECONDS", "60"))
 CLIENTS = 8
 THREADS = 2
 PURGE_ROWS = int(os.environ.get("BENCH_PURGE_ROWS", "1000000"))
-PARTS = os.environ.get("BENCH_PARTS", "pairs,shapes,publish,purge").split(",")
+PARTS = os.environ.get("BENCH_PARTS", "pairs,shapes,publish,wait,purge").split(",")
+WAITERS = int(os.environ.get("BENCH_WAITERS", "1000"))
 
 # (name in the JSON, our script, the reference script, the bar)
 # The replay pair goes first, while the keys table holds the same 100,000
@@ -65,13 +72,13 @@ AS_RUNNER = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
 class Cluster:
     """A throwaway cluster on a unix socket, removed on exit."""
 
-    def __init__(self):
+    def __init__(self, extra_conf="", port_offset=0):
         self.dir = tempfile.mkdtemp(prefix="idempotency-bench.")
         os.chmod(self.dir, 0o755)
         if os.geteuid() == 0:
             pw = pwd.getpwnam("postgres")
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)
-        self.port = 20000 + os.getpid() % 20000
+        self.port = 20000 + (os.getpid() + port_offset) % 20000
         self.run([f"{PGBIN}/initdb", "-D", f"{self.dir}/data", "-A", "trust",
                   "-U", "postgres", "--no-sync"], quiet=True)
         with open(f"{self.dir}/data/postgresql.conf", "a") as conf:
@@ -86,7 +93,7 @@ synchronous_commit = on
 max_connections = 100
 max_wal_size = 4GB
 idempotency.naptime = '100ms'
-""" + os.environ.get("BENCH_EXTRA_CONF", "").replace(";", "\n") + "\n")
+""" + os.environ.get("BENCH_EXTRA_CONF", "").replace(";", "\n") + "\n" + extra_conf)
         self.run([f"{PGBIN}/pg_ctl", "-D", f"{self.dir}/data", "-l",
                   f"{self.dir}/server.log", "-w", "start"], quiet=True)
 
@@ -379,6 +386,163 @@ def purge_cycle(cluster, foreground=False):
     return rate, end - start, (heap, indexes), reports
 
 
+# ---------------------------------------------------------------------------
+# idem_claim's wait
+
+class Waiters:
+    """Connections, each in a thread of its own, that wait with idem_claim
+    for a key when told to.  Each answer is kept with the server's clock
+    just after idem_claim returned (clock_timestamp(), as epoch seconds)."""
+
+    def __init__(self, cluster, count):
+        import psycopg
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < count + 100:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, count + 200), hard))
+        self.conninfo = dict(host=cluster.dir, port=cluster.port, user="postgres",
+                             dbname="postgres", autocommit=True)
+        self.conns = [psycopg.connect(**self.conninfo) for _ in range(count)]
+        self.answers = [None] * count
+        self.threads = []
+
+    def start(self, keys, wait="10 min"):
+        """Waiter i claims keys[i] with the wait, in the background."""
+        def run(i, key):
+            row = self.conns[i].execute(
+                "SELECT outcome, extract(epoch FROM clock_timestamp())::float8"
+                " FROM idempotency.idem_claim('wait', %s, wait => %s)", (key, wait)).fetchone()
+            self.answers[i] = row
+        self.answers = [None] * len(keys)
+        self.threads = [threading.Thread(target=run, args=(i, key), daemon=True)
+                        for i, key in enumerate(keys)]
+        for thread in self.threads:
+            thread.start()
+
+    def join(self):
+        for thread in self.threads:
+            thread.join()
+        return self.answers
+
+    def close(self):
+        for conn in self.conns:
+            conn.close()
+
+
+def parked(session, count, timeout=120):
+    """Until count sessions sleep in idem_claim's wait."""
+    deadline = time.time() + timeout
+    while session.query("SELECT count(*) FROM pg_stat_activity"
+                        " WHERE backend_type = 'client backend' AND wait_event_type = 'Extension'"
+                        " AND wait_event IN ('IdempotencyClaimWait', 'Extension')") != str(count):
+        if time.time() > deadline:
+            raise SystemExit(f"{count} waiters did not all park within {timeout} s")
+        time.sleep(0.05)
+
+
+def latencies(answers, commit_at):
+    """Each waiter's answer after its holder's commit, in ms: median, p99."""
+    ms = sorted((at - commit_at[i]) * 1000 for i, (_, at) in enumerate(answers))
+    return statistics.median(ms), ms[min(len(ms) - 1, int(len(ms) * 0.99))]
+
+
+def bench_wait():
+    """A holder's commit and its waiters' answers, measured on the server's
+    clock: from clock_timestamp() in the holder's last statement before its
+    COMMIT (sent in the same message, with synchronous_commit off so that
+    the commit is visible once its record is written, not after a WAL
+    flush) to clock_timestamp() in each waiter's statement just after
+    idem_claim returned.  Then 8 clients claim + complete with 1,000 waiters
+    parked, against the same with the waiters' connections idle."""
+    import psycopg
+    results = {}
+    cluster = Cluster(extra_conf=f"max_connections = {WAITERS + 100}\n", port_offset=1)
+    try:
+        cluster.psql_file(os.path.join(HERE, "setup.sql"))
+        cluster.psql("CREATE TABLE bench_wait_commit (key text, at float8)")
+        session = cluster.session()
+        holder = psycopg.connect(host=cluster.dir, port=cluster.port, user="postgres",
+                                 dbname="postgres", autocommit=True)
+        waiters = Waiters(cluster, WAITERS)
+
+        def commit_sql(key, completion):
+            return ("BEGIN; SET LOCAL synchronous_commit = off; " + completion +
+                    f"; INSERT INTO bench_wait_commit VALUES ('{key}',"
+                    " extract(epoch FROM clock_timestamp())); COMMIT")
+
+        # 100 waiters on one key, held by a claim not yet committed
+        one = {}
+        for round_no in range(3):
+            key = f"one-{round_no}"
+            holder.execute(f"BEGIN; SELECT idempotency.idem_claim('wait', '{key}')")
+            waiters.start([key] * 100)
+            parked(session, 100)
+            holder.execute(commit_sql(key, f"SELECT idempotency.idem_complete('wait', '{key}', 201, 'done')"))
+            answers = waiters.join()
+            at = float(cluster.psql(f"SELECT at FROM bench_wait_commit WHERE key = '{key}'"))
+            assert all(outcome == "replay" for outcome, _ in answers), answers
+            one.setdefault("p50", []).append(latencies(answers, [at] * 100)[0])
+            one.setdefault("p99", []).append(latencies(answers, [at] * 100)[1])
+        print(f"100 waiters, one key: answer after the holder's commit, median "
+              f"{statistics.median(one['p50']):.2f} ms, p99 {statistics.median(one['p99']):.2f} ms"
+              f" (median of 3 rounds; each round's p99: "
+              f"{' '.join(f'{x:.1f}' for x in one['p99'])})", flush=True)
+        results["wait_one_key_p50_ms"] = round(statistics.median(one["p50"]), 2)
+        results["wait_one_key_p99_ms"] = round(statistics.median(one["p99"]), 2)
+
+        # WAITERS waiters on as many keys, each held by a committed claim;
+        # the holder completes them one transaction after another
+        keys = [f"many-{i}" for i in range(WAITERS)]
+        cluster.psql("SELECT idempotency.idem_claim('wait', 'many-' || n, lease => '1 hour')"
+                     f" FROM generate_series(0, {WAITERS - 1}) n")
+        waiters.start(keys)
+        parked(session, WAITERS)
+        for key in keys:
+            holder.execute(commit_sql(key, f"SELECT idempotency.idem_complete('wait', '{key}', 201, 'done', NULL, 1)"))
+        answers = waiters.join()
+        assert all(outcome == "replay" for outcome, _ in answers), answers
+        commit_at = dict(line.split("|") for line in cluster.psql(
+            "SELECT key, at FROM bench_wait_commit WHERE key LIKE 'many-%'").splitlines())
+        p50, p99 = latencies(answers, [float(commit_at[key]) for key in keys])
+        print(f"{WAITERS} waiters, {WAITERS} keys, their holders committing one after another:"
+              f" median {p50:.2f} ms, p99 {p99:.2f} ms", flush=True)
+        results["wait_many_keys_p50_ms"] = round(p50, 2)
+        results["wait_many_keys_p99_ms"] = round(p99, 2)
+
+        # claim + complete, WAITERS waiters parked (on keys of their own,
+        # held by committed claims) or their connections idle, alternating
+        tps = {"parked": [], "idle": []}
+        for round_no in range(ROUNDS):
+            order = ["parked", "idle"] if round_no % 2 == 0 else ["idle", "parked"]
+            for side in order:
+                cluster.psql("VACUUM (ANALYZE) idempotency.keys")
+                cluster.psql("CHECKPOINT")
+                if side == "parked":
+                    keys = [f"parked-{round_no}-{i}" for i in range(WAITERS)]
+                    cluster.psql(f"SELECT idempotency.idem_claim('wait', 'parked-{round_no}-' || n,"
+                                 f" lease => '1 hour') FROM generate_series(0, {WAITERS - 1}) n")
+                    waiters.start(keys)
+                    parked(session, WAITERS)
+                tps[side].append(cluster.pgbench("claim_complete.sql", SECONDS)[0])
+                if side == "parked":
+                    cluster.psql(f"SELECT idempotency.idem_complete('wait', 'parked-{round_no}-' || n,"
+                                 f" 201, 'done', NULL, 1) FROM generate_series(0, {WAITERS - 1}) n")
+                    waiters.join()
+        ratios = [p / i for p, i in zip(tps["parked"], tps["idle"])]
+        ratio = statistics.median(ratios)
+        print(f"claim + complete, 8 clients, {WAITERS} waiters parked: "
+              f"{statistics.median(tps['parked']):.0f} tps, without: {statistics.median(tps['idle']):.0f} tps,"
+              f" ratio {ratio:.2f} (bar 0.90: {'ok' if ratio >= 0.9 else 'MISS'}); each round:"
+              f" {' '.join(f'{r:.2f}' for r in ratios)}", flush=True)
+        results["wait_parked_vs_none"] = round(ratio, 3)
+        waiters.close()
+        holder.close()
+        session.close()
+    finally:
+        cluster.stop()
+    return results
+
+
 def mb(size):
     """A (heap, indexes) size as the cycle lines print it."""
     return f"{sum(size) / 2**20:.0f} MB (heap {size[0] / 2**20:.0f} + indexes {size[1] / 2**20:.0f})"
@@ -446,6 +610,10 @@ def main():
             summary["publish_keeps_up"] = published["keeps_up"]
             summary["publish_p50_ms"] = round(published["p50"], 2)
             summary["publish_p99_ms"] = round(published["p99"], 2)
+
+        if "wait" in PARTS:
+            print(f"\n== idem_claim's wait: a cluster of its own, max_connections {WAITERS + 100}")
+            summary.update(bench_wait())
 
         if "purge" not in PARTS:
             print(json.dumps(summary))

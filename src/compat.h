@@ -107,4 +107,27 @@ typedef bool CompatUpdateIndexes;
 #define MAT_SRF_USE_EXPECTED_DESC SRF_SINGLE_USE_EXPECTED
 #endif
 
+/*
+ * A wait event of one's own, shown by name in pg_stat_activity, from 17;
+ * before, every extension's wait is "Extension".
+ */
+#include "utils/wait_event.h"
+#if PG_VERSION_NUM >= 170000
+#define compat_wait_event_extension(name) WaitEventExtensionNew(name)
+#else
+#define compat_wait_event_extension(name) PG_WAIT_EXTENSION
+#endif
+
+/*
+ * This backend's process number (its PGPROC's index): MyProcNumber from 17,
+ * MyProc->pgprocno before.
+ */
+#if PG_VERSION_NUM >= 170000
+#include "storage/procnumber.h"
+#define compat_my_proc_number() ((int) MyProcNumber)
+#else
+#include "storage/proc.h"
+#define compat_my_proc_number() (MyProc->pgprocno)
+#endif
+
 #endif							/* IDEMPOTENCY_COMPAT_H */

@@ -64,7 +64,6 @@
 #include "compat.h"
 
 #define CLAIM_SCAN_NAME "idem_claim"
-#define CLAIM_NARGS 5
 
 /* claim_result's column types, in order; anything else is not ours */
 static const Oid claim_result_types[IDEM_CLAIM_RESULT_NATTS] = {
@@ -80,7 +79,8 @@ static const Oid claim_result_types[IDEM_CLAIM_RESULT_NATTS] = {
 typedef struct ClaimScanState
 {
 	CustomScanState css;
-	ExprState  *args[CLAIM_NARGS];	/* each argument, NULL where a constant */
+	int			nargs;			/* 5 (1.0's idem_claim) or 6 (with wait) */
+	ExprState  *args[IDEM_CLAIM_MAX_NARGS];	/* each argument, NULL where a constant */
 	int			ncolumns;		/* the scan tuple's columns ... */
 	int			columns[IDEM_CLAIM_RESULT_NATTS];	/* ... in claim_result */
 	Bitmapset  *arg_params;		/* the PARAM_EXEC ids the arguments read */
@@ -223,7 +223,8 @@ claim_set_rel_pathlist(PlannerInfo *root, RelOptInfo *rel, Index rti,
 	if (!IsA(rtfunc->funcexpr, FuncExpr) || rtfunc->funccolnames != NIL)
 		return;
 	fexpr = (FuncExpr *) rtfunc->funcexpr;
-	if (fexpr->funcretset || list_length(fexpr->args) != CLAIM_NARGS)
+	if (fexpr->funcretset || list_length(fexpr->args) < IDEM_CLAIM_MIN_NARGS ||
+		list_length(fexpr->args) > IDEM_CLAIM_MAX_NARGS)
 		return;
 	/* a SubPlan's outer references would escape the rescan check below */
 	if (contain_subplans((Node *) fexpr))
@@ -353,8 +354,9 @@ claim_begin(CustomScanState *node, EState *estate, int eflags)
 		aclcheck_error(aclresult, OBJECT_FUNCTION, get_func_name(funcid));
 	InvokeFunctionExecuteHook(funcid);
 
-	state->fcinfo = palloc0(SizeForFunctionCallInfo(CLAIM_NARGS));
-	InitFunctionCallInfoData(*state->fcinfo, NULL, CLAIM_NARGS, InvalidOid,
+	state->nargs = list_length(fexpr->args);
+	state->fcinfo = palloc0(SizeForFunctionCallInfo(state->nargs));
+	InitFunctionCallInfoData(*state->fcinfo, NULL, state->nargs, InvalidOid,
 							 NULL, NULL);
 	/* constants (the defaults, usually) are set once; the rest evaluated */
 	foreach(lc, fexpr->args)
@@ -393,7 +395,7 @@ claim_make_row(ClaimScanState *state)
 
 	MemoryContextReset(state->row_context);
 	oldcxt = MemoryContextSwitchTo(state->row_context);
-	for (int i = 0; i < CLAIM_NARGS; i++)
+	for (int i = 0; i < state->nargs; i++)
 	{
 		if (state->args[i] != NULL)
 			fcinfo->args[i].value = ExecEvalExpr(state->args[i], econtext,

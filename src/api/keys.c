@@ -16,10 +16,13 @@
  *	 in progress, lease running		-> in_progress
  *	 in progress, lease run out		-> take over: claimed, attempt + 1
  *
- * and never waits: the only writes it makes are an insert that gives up on
- * a duplicate and an update that gives up on a locked row.  So a claim that
- * does not answer "claimed" holds no lock and no row that anyone could wait
- * for, however long its transaction stays open.
+ * and never waits on a lock: the only writes it makes are an insert that
+ * gives up on a duplicate and an update that gives up on a locked row.  So
+ * a claim that does not answer "claimed" holds no lock and no row that
+ * anyone could wait for, however long its transaction stays open.  With a
+ * positive wait argument, an answer that would be in_progress (another
+ * request holds the key) sleeps instead (claim_wait.c, which holds nothing
+ * either) and decides again when the holder ends or the wait runs out.
  *
  * Uniqueness comes from the primary key alone, which is what makes two
  * "claimed" answers for one key impossible to commit together at any
@@ -33,7 +36,8 @@
  * Owns: where a claim is decided (claimed, replay, in_progress, mismatch),
  *	  completion, release and checkpoints.
  * May call: direct/tables.h (probe, insert, update), infra/ (argument
- *	  checks, settings, counters).  Called by api/claim_scan.c.
+ *	  checks, settings, counters, claim_wait.h's waiting and wake-ups).
+ *	  Called by api/claim_scan.c.
  *
  *-------------------------------------------------------------------------
  */
@@ -53,6 +57,7 @@
 #include "api/keys.h"
 #include "direct/tables.h"
 #include "infra/args.h"
+#include "infra/claim_wait.h"
 #include "infra/guc.h"
 #include "infra/shmem.h"
 
@@ -313,10 +318,25 @@ decide_claim(const KeyRow *row, bool being_modified, bool written_by_us,
 }
 
 /*
- * What idem_claim(scope, key, fingerprint, ttl, lease) does, its answer put
- * in the IDEM_CLAIM_RESULT_NATTS columns of claim_result (values, nulls),
- * which point into the stored row and live in the current memory context.
- * The arguments are fcinfo's; its flinfo is not used.
+ * When a key held by another request frees up, if the claim waits for it:
+ * the end of the holder's lease when that is what holds it (a committed
+ * claim, not being changed), else 0 (the holder's transaction ends it).
+ */
+static TimestampTz
+holder_lease_end(const KeyRow *row, const ProbeResult *found)
+{
+	if (found->being_modified || key_row_completed(row) ||
+		KEY_ISNULL(row, Anum_keys_lease_expires_at))
+		return 0;
+	return DatumGetTimestampTz(KEY_VALUE(row, Anum_keys_lease_expires_at));
+}
+
+/*
+ * What idem_claim(scope, key, fingerprint, ttl, lease[, wait]) does, its
+ * answer put in the IDEM_CLAIM_RESULT_NATTS columns of claim_result
+ * (values, nulls), which point into the stored row and live in the current
+ * memory context.  The arguments are fcinfo's (wait only where the SQL
+ * function has it: 1.0's has five arguments); its flinfo is not used.
  */
 void
 idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
@@ -328,7 +348,9 @@ idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 	Interval   *lease = idem_arg_duration(fcinfo, 4, "lease", idem_lease_ms);
 	Datum		pkey[2] = {PointerGetDatum(scope), PointerGetDatum(key)};
 	IdemRelation rel;
+	ClaimWait	wait;
 
+	claim_wait_start(&wait, fcinfo, IDEM_CLAIM_WAIT_ARGNO, scope, key);
 	idem_require_writable("idem_claim()");
 	idem_relation_open(&rel, IDEM_TABLE_KEYS, RowExclusiveLock);
 
@@ -352,6 +374,7 @@ idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 			start_claim(&row, false, fingerprint, ttl, lease, now);
 			if (idem_insert_unique(&rel, row.values, row.nulls))
 			{
+				claim_wait_key_changed(scope, key);
 				claim_columns(OUTCOME_CLAIMED, &row, values, nulls);
 				break;
 			}
@@ -371,6 +394,9 @@ idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 				SpeculativeInsertionWait(found.inserting_xid, found.speculative_token);
 				continue;
 			}
+			/* its transaction's end wakes us */
+			if (claim_wait_sleep(&wait, 0))
+				continue;
 			claim_columns(OUTCOME_IN_PROGRESS, NULL, values, nulls);
 			break;
 		}
@@ -390,6 +416,10 @@ idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 		}
 		if (decision == CLAIM_IN_PROGRESS)
 		{
+			/* never for a claim of this transaction's own: it would wait for itself */
+			if (!found.written_by_us &&
+				claim_wait_sleep(&wait, holder_lease_end(&row, &found)))
+				continue;
 			claim_columns(OUTCOME_IN_PROGRESS, &row, values, nulls);
 			break;
 		}
@@ -401,12 +431,15 @@ idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 		{
 			if (decision == CLAIM_TAKE_OVER)
 				idem_count(IDEM_COUNTER_TAKEOVERS, 1);
+			claim_wait_key_changed(scope, key);
 			claim_columns(OUTCOME_CLAIMED, &row, values, nulls);
 			break;
 		}
 		if (tm == TM_BeingModified || tm == TM_WouldBlock)
 		{
 			/* someone else is taking it over, or holds a lock on it */
+			if (claim_wait_sleep(&wait, 0))
+				continue;
 			claim_columns(OUTCOME_IN_PROGRESS, NULL, values, nulls);
 			break;
 		}
@@ -415,11 +448,12 @@ idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 		/* it changed since the probe: look again */
 	}
 
+	claim_wait_end(&wait);
 	idem_relation_close(&rel);
 }
 
 /*
- * idem_claim(scope, key, fingerprint, ttl, lease) -> claim_result
+ * idem_claim(scope, key, fingerprint, ttl, lease[, wait]) -> claim_result
  *
  * Called in FROM, as it usually is, the planner puts a direct scan in the
  * place of this function (claim_scan.c); everywhere else, this runs.
@@ -530,7 +564,10 @@ change_claim(const char *function_name, FunctionCallInfo fcinfo,
 			tm = idem_delete(&rel, &found.tid, true);
 
 		if (tm == TM_Ok)
+		{
+			claim_wait_key_changed(scope, key);
 			break;
+		}
 		if (tm != TM_Updated && tm != TM_Deleted)
 			elog(ERROR, "unexpected result %d changing an idempotency key", (int) tm);
 		/* changed by a transaction we waited for: find_claim decides anew */

@@ -11,6 +11,14 @@
 
 #include "fmgr.h"
 
+/*
+ * idem_claim's arguments: five in 1.0, six from 1.1, whose last is wait
+ * (the library serves databases at either version).
+ */
+#define IDEM_CLAIM_MIN_NARGS	5
+#define IDEM_CLAIM_MAX_NARGS	6
+#define IDEM_CLAIM_WAIT_ARGNO	5
+
 /* The columns of idempotency.claim_result. */
 #define IDEM_CLAIM_RESULT_NATTS 7
 

@@ -42,6 +42,7 @@ int			idem_purge_busy_share = 10;
 int			idem_publish_batch_size = 100;
 char	   *idem_databases = NULL;
 int			idem_max_databases = 32;
+int			idem_wait_slots = -1;
 
 static char *release_statuses_string = NULL;
 
@@ -351,6 +352,7 @@ idem_define_gucs(void)
 	 * a PGC_POSTMASTER setting cannot be defined after startup.
 	 */
 	if (process_shared_preload_libraries_in_progress)
+	{
 		DefineCustomIntVariable("idempotency.max_databases",
 								"Databases the background workers can serve at once.",
 								"Each served database takes one background worker "
@@ -362,6 +364,22 @@ idem_define_gucs(void)
 								PGC_POSTMASTER,
 								0,
 								NULL, NULL, NULL);
+
+		DefineCustomIntVariable("idempotency.wait_slots",
+								"Keys that idem_claim's waiters can wait for at once "
+								"with an immediate wake-up (-1: twice max_connections "
+								"and the other backends).",
+								"A claim that waits for a key takes a slot in shared "
+								"memory, shared with the others that wait for the same "
+								"key, and is woken by the holder's commit or rollback.  "
+								"When its share of the slots is taken, it looks at the "
+								"key every 10 ms instead; 0 makes every wait do that.",
+								&idem_wait_slots,
+								-1, -1, 1000000,
+								PGC_POSTMASTER,
+								0,
+								NULL, NULL, NULL);
+	}
 
 	MarkGUCPrefixReserved("idempotency");
 }

@@ -38,6 +38,9 @@ extern int	idem_publish_batch_size;
 extern char *idem_databases;
 extern int	idem_max_databases;
 
+/* idempotency.wait_slots: -1 for twice MaxBackends */
+extern int	idem_wait_slots;
+
 extern void idem_define_gucs(void);
 
 /* Is this HTTP status transient (released, not stored)?  See release_statuses. */

@@ -39,6 +39,7 @@
 
 #include "compat.h"
 #include "direct/guard.h"
+#include "infra/claim_wait.h"
 #include "infra/guc.h"
 #include "infra/shmem.h"
 
@@ -92,6 +93,7 @@ request_shmem(void)
 		prev_shmem_request_hook();
 	RequestAddinShmemSpace(shared_size());
 	RequestNamedLWLockTranche(TRANCHE_NAME, 1);
+	idem_claim_wait_shmem_request();
 }
 #endif
 
@@ -121,6 +123,7 @@ startup_shmem(void)
 				pg_atomic_init_u64(&slot->counters[c], 0);
 		}
 	}
+	idem_claim_wait_shmem_init();
 	LWLockRelease(AddinShmemInitLock);
 }
 
