@@ -18,8 +18,9 @@
 # (/var/cache/idempotency-matrix/<release>), made on first use and reused
 # after: every run finishes setting it up again, each step idempotent, and
 # make test installs the release's PostgreSQL there itself (scripts/deps.sh),
-# as it would on a fresh system.  The logs are kept there too, a file per
-# release and part.  The unusual steps:
+# as it would on a fresh system; one whose setup fails (a run killed inside
+# dpkg, a disk that was full) is made again from nothing, once.  The logs are
+# kept there too, a file per release and part.  The unusual steps:
 #
 #   - proc, sys, /dev, /dev/pts and a tmpfs on /dev/shm (the servers' dynamic
 #     shared memory) are mounted for the run and unmounted on every way out;
@@ -187,8 +188,21 @@ for release in "${picked[@]}"; do
 	echo "== $suite (PostgreSQL $major): logs in $cache/$suite.*.log"
 
 	start=$SECONDS
+	setup_ok=true
 	background "$cache/$suite.setup.log" setup_chroot "$suite"
-	if ! waited; then
+	waited || setup_ok=false
+	if ! $setup_ok && [ -x "$root/usr/bin/apt-get" ]; then
+		# A cached chroot that no longer sets up (a run killed inside
+		# dpkg, a disk that was full) is made again from nothing, once.
+		echo "   the cached chroot did not set up ($cache/$suite.setup-cached.log): making it again"
+		mv "$cache/$suite.setup.log" "$cache/$suite.setup-cached.log"
+		release_chroot "$root"
+		rm -rf "$root"
+		setup_ok=true
+		background "$cache/$suite.setup.log" setup_chroot "$suite"
+		waited || setup_ok=false
+	fi
+	if ! $setup_ok; then
 		summary+=("PostgreSQL $major ($suite): setup FAILED ($(elapsed $((SECONDS - start))))")
 		failures+=("$cache/$suite.setup.log")
 		release_chroot "$root"
