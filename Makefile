@@ -32,6 +32,7 @@ OBJS = \
 	src/api/keys.o \
 	src/api/outbox.o \
 	src/api/run_maintenance.o \
+	src/api/upgrade.o \
 	src/bgw/launcher.o \
 	src/bgw/maintenance.o \
 	src/bgw/publish.o \

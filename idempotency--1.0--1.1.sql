@@ -15,3 +15,77 @@
 ALTER TABLE idempotency.outbox_routes
 	ADD CONSTRAINT outbox_routes_destination_check
 	CHECK (target = 'none' OR destination IS NOT NULL) NOT VALID;
+
+/* ---------------------------------------------------------------------
+ * Idempotency keys: claim_result says when, idem_claim can wait, a holder
+ * can extend its lease.
+ * ---------------------------------------------------------------------
+ */
+
+/*
+ * Appended, so that 1.0's columns keep their places: the C code fills the
+ * columns of the type as the database declares it, 7 at 1.0 and 9 from
+ * here on, so one library serves databases on either side of the update.
+ */
+ALTER TYPE idempotency.claim_result
+	ADD ATTRIBUTE lease_expires_at timestamptz,
+	ADD ATTRIBUTE expires_at timestamptz;
+
+COMMENT ON TYPE idempotency.claim_result IS
+	'result of idem_claim: outcome is claimed, replay, in_progress or mismatch; lease_expires_at says when a held claim may be taken over, expires_at when a replayed response expires';
+COMMENT ON COLUMN idempotency.claim_result.lease_expires_at IS
+	'claimed, or in_progress with a committed holder: when its lease runs out and a takeover becomes possible; NULL otherwise';
+COMMENT ON COLUMN idempotency.claim_result.expires_at IS
+	'replay: when the stored response expires; NULL otherwise';
+
+/*
+ * idem_claim gains its sixth argument, wait.  A longer argument list is a
+ * new function: it is created, the roles that could execute the 1.0
+ * function get EXECUTE on it (idem_carry_grants, in src/upgrade.c, says
+ * why this is not a plain GRANT), and the 1.0 function is dropped, since
+ * two overloads would make every existing call ambiguous.  A view or a
+ * BEGIN ATOMIC function that calls it stops the update with the usual
+ * "other objects depend on it": drop it first, and create it again after.
+ */
+CREATE FUNCTION idempotency.idem_claim(scope text, key text,
+									   fingerprint text DEFAULT NULL,
+									   ttl interval DEFAULT NULL,
+									   lease interval DEFAULT NULL,
+									   wait interval DEFAULT NULL)
+RETURNS idempotency.claim_result
+AS 'MODULE_PATHNAME', 'idem_claim'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_claim(text, text, text, interval, interval, interval) IS
+	'claim an idempotency key: claimed (run the operation), replay (stored response), in_progress (409) or mismatch (422); wait: how long to wait for an in-flight holder (NULL or 0: never blocks)';
+
+REVOKE ALL ON FUNCTION idempotency.idem_claim(text, text, text, interval, interval, interval)
+	FROM PUBLIC;
+
+CREATE FUNCTION idempotency._carry_grants(old regprocedure, new regprocedure)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_carry_grants'
+LANGUAGE C STRICT;
+SELECT idempotency._carry_grants(
+	'idempotency.idem_claim(text, text, text, interval, interval)',
+	'idempotency.idem_claim(text, text, text, interval, interval, interval)');
+DROP FUNCTION idempotency._carry_grants(regprocedure, regprocedure);
+
+DROP FUNCTION idempotency.idem_claim(text, text, text, interval, interval);
+
+/*
+ * A holder still at work pushes its lease out; like its siblings, nobody
+ * may execute it until granted (see the README's privileges).
+ */
+CREATE FUNCTION idempotency.idem_extend_lease(scope text, key text,
+											  attempt integer,
+											  lease interval DEFAULT NULL)
+RETURNS timestamptz
+AS 'MODULE_PATHNAME', 'idem_extend_lease'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_extend_lease(text, text, integer, interval) IS
+	'the holder of a claim pushes its lease out (to lease from now, idempotency.lease by default), fenced by attempt; returns the new lease_expires_at';
+
+REVOKE ALL ON FUNCTION idempotency.idem_extend_lease(text, text, integer, interval)
+	FROM PUBLIC;
