@@ -7,14 +7,30 @@
  * A route that publishes somewhere names where.  idem_outbox_route never
  * stored a NULL destination for the notify, logical or function targets,
  * but 1.0's CHECK allowed a row written directly with one, which the worker
- * could not publish.  NOT VALID: a database updated from 1.0 keeps whatever
- * rows it has (the worker counts each of their rows' attempts as failed,
- * with "has no destination", until the route is set again); new rows are
- * checked.
+ * cannot publish (it counts each of its rows' attempts as failed).  The
+ * check is valid for every row: a NOT VALID one would keep such a row here,
+ * but a dump of the database would not restore (the restore's COPY is
+ * checked), so the update refuses to run until the route is set.
  */
+DO $$
+DECLARE
+	topics text;
+BEGIN
+	SELECT string_agg(quote_literal(topic), ', ' ORDER BY topic) INTO topics
+	FROM idempotency.outbox_routes
+	WHERE target <> 'none' AND destination IS NULL;
+	IF topics IS NOT NULL THEN
+		RAISE EXCEPTION 'idempotency cannot be updated while a route has no destination'
+			USING ERRCODE = 'object_not_in_prerequisite_state',
+				  DETAIL = format('The routes of topics %s publish but name no destination, which the worker cannot publish to.', topics),
+				  HINT = 'Set each with idem_outbox_route(topic, target, destination), or make it ''none'', then update again.';
+	END IF;
+END
+$$;
+
 ALTER TABLE idempotency.outbox_routes
 	ADD CONSTRAINT outbox_routes_destination_check
-	CHECK (target = 'none' OR destination IS NOT NULL) NOT VALID;
+	CHECK (target = 'none' OR destination IS NOT NULL);
 
 /* ---------------------------------------------------------------------
  * Idempotency keys: claim_result says when, idem_claim can wait, a holder

@@ -52,7 +52,7 @@ SELECT ddl, pg_temp.outcome(ddl) FROM (VALUES
 	('ALTER TABLE idempotency.keys SET SCHEMA public'),
 	('ALTER TABLE idempotency.keys SET ACCESS METHOD heap'),
 	('ALTER TABLE idempotency.keys DISABLE TRIGGER ALL'),
-	('ALTER FUNCTION idempotency.idem_claim(text, text, text, interval, interval) PARALLEL SAFE'),
+	('ALTER FUNCTION idempotency.idem_claim(text, text, text, interval, interval, interval) PARALLEL SAFE'),
 	('ALTER FUNCTION idempotency.idem_complete(text, text, integer, text, jsonb, integer) SECURITY DEFINER')
 ) AS refused(ddl);
 SELECT count(*) AS constraints_left_behind FROM pg_constraint
@@ -73,7 +73,7 @@ SELECT ddl, pg_temp.outcome(ddl) FROM (VALUES
 	('ALTER TABLE idempotency.keys REPLICA IDENTITY FULL'),
 	('CREATE INDEX keys_by_creation ON idempotency.keys (created_at) WHERE status_code IS NULL'),
 	('CREATE INDEX events_by_id ON idempotency.processed_events (event_id)'),
-	('ALTER FUNCTION idempotency.idem_claim(text, text, text, interval, interval) COST 10'),
+	('ALTER FUNCTION idempotency.idem_claim(text, text, text, interval, interval, interval) COST 10'),
 	('ALTER TABLE other ADD CHECK (id > 0)')
 ) AS allowed(ddl);
 
@@ -121,7 +121,7 @@ ALTER TABLE idempotency.keys ALTER body SET STATISTICS -1;
 ALTER TABLE idempotency.keys ALTER body SET STORAGE EXTENDED;
 ALTER TABLE idempotency.keys SET WITHOUT CLUSTER;
 DROP INDEX idempotency.keys_by_creation, idempotency.events_by_id;
-ALTER FUNCTION idempotency.idem_claim(text, text, text, interval, interval) COST 1;
+ALTER FUNCTION idempotency.idem_claim(text, text, text, interval, interval, interval) COST 1;
 DELETE FROM idempotency.keys WHERE scope = 'guard';
 DELETE FROM idempotency.processed_events WHERE consumer = 'guard';
 DROP TABLE other, parent;

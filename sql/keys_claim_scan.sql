@@ -83,19 +83,19 @@ WITH gone AS (DELETE FROM answers RETURNING 1) SELECT outcome FROM idem_claim('s
 -- is planned again, as a Function Scan, and back once the setting is reset.
 PREPARE replay_k1 AS SELECT outcome, status_code FROM idem_claim('scan', 'k1');
 EXPLAIN (COSTS OFF) EXECUTE replay_k1;
-ALTER FUNCTION idem_claim(text, text, text, interval, interval) SET work_mem = '8MB';
+ALTER FUNCTION idem_claim(text, text, text, interval, interval, interval) SET work_mem = '8MB';
 EXPLAIN (COSTS OFF) EXECUTE replay_k1;
 EXECUTE replay_k1;
-ALTER FUNCTION idem_claim(text, text, text, interval, interval) RESET ALL;
+ALTER FUNCTION idem_claim(text, text, text, interval, interval, interval) RESET ALL;
 EXPLAIN (COSTS OFF) EXECUTE replay_k1;
 EXECUTE replay_k1;
 DEALLOCATE replay_k1;
 
 -- Made STRICT, a call with a NULL argument must not run at all: that is the
 -- executor's to decide, so the Function Scan is back.
-ALTER FUNCTION idem_claim(text, text, text, interval, interval) STRICT;
+ALTER FUNCTION idem_claim(text, text, text, interval, interval, interval) STRICT;
 EXPLAIN (COSTS OFF) SELECT outcome FROM idem_claim('scan', 'k9');
-ALTER FUNCTION idem_claim(text, text, text, interval, interval) CALLED ON NULL INPUT;
+ALTER FUNCTION idem_claim(text, text, text, interval, interval, interval) CALLED ON NULL INPUT;
 EXPLAIN (COSTS OFF) SELECT outcome FROM idem_claim('scan', 'k9');
 
 -- The direct scan checks EXECUTE on the function, as the executor does: a

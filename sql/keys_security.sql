@@ -28,10 +28,11 @@ WHERE p.pronamespace = 'idempotency'::regnamespace AND p.prosecdef
 -- The grants the README gives an application role.
 GRANT USAGE ON SCHEMA idempotency TO idem_app;
 GRANT EXECUTE ON FUNCTION
-    idempotency.idem_claim(text, text, text, interval, interval),
+    idempotency.idem_claim(text, text, text, interval, interval, interval),
     idempotency.idem_complete(text, text, integer, text, jsonb, integer),
     idempotency.idem_release(text, text, integer),
     idempotency.idem_checkpoint(text, text, text, integer),
+    idempotency.idem_extend_lease(text, text, integer, interval),
     idempotency.idem_fingerprint(jsonb),
     idempotency.idem_fingerprint(text),
     idempotency.idem_fingerprint(bytea)
