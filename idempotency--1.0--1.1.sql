@@ -57,7 +57,7 @@ COMMENT ON COLUMN idempotency.claim_result.expires_at IS
 /*
  * idem_claim gains its sixth argument, wait.  A longer argument list is a
  * new function: it is created, the roles that could execute the 1.0
- * function get EXECUTE on it (idem_carry_grants, in src/upgrade.c, says
+ * function get EXECUTE on it (idem_carry_grants, in src/api/upgrade.c, says
  * why this is not a plain GRANT), and the 1.0 function is dropped, since
  * two overloads would make every existing call ambiguous.  A view or a
  * BEGIN ATOMIC function that calls it stops the update with the usual
