@@ -7,60 +7,101 @@
  * A route that publishes somewhere names where.  idem_outbox_route never
  * stored a NULL destination for the notify, logical or function targets,
  * but 1.0's CHECK allowed a row written directly with one, which the worker
- * could not publish.  NOT VALID: a database updated from 1.0 keeps whatever
- * rows it has (the worker counts each of their rows' attempts as failed,
- * with "has no destination", until the route is set again); new rows are
- * checked.
+ * cannot publish (it counts each of its rows' attempts as failed).  The
+ * check is valid for every row: a NOT VALID one would keep such a row here,
+ * but a dump of the database would not restore (the restore's COPY is
+ * checked), so the update refuses to run until the route is set.
  */
+DO $$
+DECLARE
+	topics text;
+BEGIN
+	SELECT string_agg(quote_literal(topic), ', ' ORDER BY topic) INTO topics
+	FROM idempotency.outbox_routes
+	WHERE target <> 'none' AND destination IS NULL;
+	IF topics IS NOT NULL THEN
+		RAISE EXCEPTION 'idempotency cannot be updated while a route has no destination'
+			USING ERRCODE = 'object_not_in_prerequisite_state',
+				  DETAIL = format('The routes of topics %s publish but name no destination, which the worker cannot publish to.', topics),
+				  HINT = 'Set each with idem_outbox_route(topic, target, destination), or make it ''none'', then update again.';
+	END IF;
+END
+$$;
+
 ALTER TABLE idempotency.outbox_routes
 	ADD CONSTRAINT outbox_routes_destination_check
-	CHECK (target = 'none' OR destination IS NOT NULL) NOT VALID;
+	CHECK (target = 'none' OR destination IS NOT NULL);
 
 /* ---------------------------------------------------------------------
- * BEGIN wait (issue 18, part A): idem_claim gains wait interval DEFAULT
- * NULL.  A minimal edit, for the integrator to reconcile with the lease
- * helper's version of idem_claim (which also changes claim_result): the
- * five-argument function is dropped and the six-argument one created,
- * with its comment, no EXECUTE for PUBLIC (as the 1.0 script leaves every
- * function), and EXECUTE granted again to every role that had it on the
- * five-argument one.
+ * Idempotency keys: claim_result says when, idem_claim can wait, a holder
+ * can extend its lease.
  * ---------------------------------------------------------------------
  */
-DO $wait$
-DECLARE
-	old_acl aclitem[];
-	grant_ record;
-BEGIN
-	SELECT proacl INTO old_acl FROM pg_catalog.pg_proc
-	WHERE oid = 'idempotency.idem_claim(text, text, text, interval, interval)'::pg_catalog.regprocedure;
 
-	DROP FUNCTION idempotency.idem_claim(text, text, text, interval, interval);
+/*
+ * Appended, so that 1.0's columns keep their places: the C code fills the
+ * columns of the type as the database declares it, 7 at 1.0 and 9 from
+ * here on, so one library serves databases on either side of the update.
+ */
+ALTER TYPE idempotency.claim_result
+	ADD ATTRIBUTE lease_expires_at timestamptz,
+	ADD ATTRIBUTE expires_at timestamptz;
 
-	CREATE FUNCTION idempotency.idem_claim(scope text, key text,
-										   fingerprint text DEFAULT NULL,
-										   ttl interval DEFAULT NULL,
-										   lease interval DEFAULT NULL,
-										   wait interval DEFAULT NULL)
-	RETURNS idempotency.claim_result
-	AS 'MODULE_PATHNAME', 'idem_claim'
-	LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+COMMENT ON TYPE idempotency.claim_result IS
+	'result of idem_claim: outcome is claimed, replay, in_progress or mismatch; lease_expires_at says when a held claim may be taken over, expires_at when a replayed response expires';
+COMMENT ON COLUMN idempotency.claim_result.lease_expires_at IS
+	'claimed, or in_progress with a committed holder: when its lease runs out and a takeover becomes possible; NULL otherwise';
+COMMENT ON COLUMN idempotency.claim_result.expires_at IS
+	'replay: when the stored response expires; NULL otherwise';
 
-	COMMENT ON FUNCTION idempotency.idem_claim(text, text, text, interval, interval, interval) IS
-		'claim an idempotency key: claimed (run the operation), replay (stored response), in_progress (409) or mismatch (422); never blocks, unless wait is given: then waits up to that long for a request in flight with the same key';
+/*
+ * idem_claim gains its sixth argument, wait.  A longer argument list is a
+ * new function: it is created, the roles that could execute the 1.0
+ * function get EXECUTE on it (idem_carry_grants, in src/api/upgrade.c, says
+ * why this is not a plain GRANT), and the 1.0 function is dropped, since
+ * two overloads would make every existing call ambiguous.  A view or a
+ * BEGIN ATOMIC function that calls it stops the update with the usual
+ * "other objects depend on it": drop it first, and create it again after.
+ */
+CREATE FUNCTION idempotency.idem_claim(scope text, key text,
+									   fingerprint text DEFAULT NULL,
+									   ttl interval DEFAULT NULL,
+									   lease interval DEFAULT NULL,
+									   wait interval DEFAULT NULL)
+RETURNS idempotency.claim_result
+AS 'MODULE_PATHNAME', 'idem_claim'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
 
-	REVOKE ALL ON FUNCTION idempotency.idem_claim(text, text, text, interval, interval, interval) FROM PUBLIC;
-	FOR grant_ IN
-		SELECT a.grantee, a.is_grantable
-		FROM pg_catalog.aclexplode(old_acl) AS a
-		JOIN pg_catalog.pg_proc p
-		  ON p.oid = 'idempotency.idem_claim(text, text, text, interval, interval, interval)'::pg_catalog.regprocedure
-		WHERE a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
-	LOOP
-		EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION idempotency.idem_claim(text, text, text, interval, interval, interval) TO %s%s',
-								  CASE WHEN grant_.grantee = 0 THEN 'PUBLIC'
-									   ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(grant_.grantee)) END,
-								  CASE WHEN grant_.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
-	END LOOP;
-END
-$wait$;
-/* END wait (issue 18, part A) */
+COMMENT ON FUNCTION idempotency.idem_claim(text, text, text, interval, interval, interval) IS
+	'claim an idempotency key: claimed (run the operation), replay (stored response), in_progress (409) or mismatch (422); wait: how long to wait for an in-flight holder before answering in_progress (NULL or 0: never blocks)';
+
+REVOKE ALL ON FUNCTION idempotency.idem_claim(text, text, text, interval, interval, interval)
+	FROM PUBLIC;
+
+CREATE FUNCTION idempotency._carry_grants(old regprocedure, new regprocedure)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_carry_grants'
+LANGUAGE C STRICT;
+SELECT idempotency._carry_grants(
+	'idempotency.idem_claim(text, text, text, interval, interval)',
+	'idempotency.idem_claim(text, text, text, interval, interval, interval)');
+DROP FUNCTION idempotency._carry_grants(regprocedure, regprocedure);
+
+DROP FUNCTION idempotency.idem_claim(text, text, text, interval, interval);
+
+/*
+ * A holder still at work pushes its lease out; like its siblings, nobody
+ * may execute it until granted (see the README's privileges).
+ */
+CREATE FUNCTION idempotency.idem_extend_lease(scope text, key text,
+											  attempt integer,
+											  lease interval DEFAULT NULL)
+RETURNS timestamptz
+AS 'MODULE_PATHNAME', 'idem_extend_lease'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_extend_lease(text, text, integer, interval) IS
+	'the holder of a claim pushes its lease out (to lease from now, idempotency.lease by default), fenced by attempt; returns the new lease_expires_at';
+
+REVOKE ALL ON FUNCTION idempotency.idem_extend_lease(text, text, integer, interval)
+	FROM PUBLIC;

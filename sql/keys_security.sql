@@ -32,6 +32,7 @@ GRANT EXECUTE ON FUNCTION
     idempotency.idem_complete(text, text, integer, text, jsonb, integer),
     idempotency.idem_release(text, text, integer),
     idempotency.idem_checkpoint(text, text, text, integer),
+    idempotency.idem_extend_lease(text, text, integer, interval),
     idempotency.idem_fingerprint(jsonb),
     idempotency.idem_fingerprint(text),
     idempotency.idem_fingerprint(bytea)

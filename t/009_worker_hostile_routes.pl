@@ -252,9 +252,9 @@ ok($node->log_contains(qr/outbox row \d+ could not be published: its transaction
 
 # --- routes with no destination, written directly (idem_outbox_route never
 # stores one): each row's attempts count up, with the reason.  A CHECK
-# refuses new such rows from 1.1 on, NOT VALID, so that a database updated
-# from 1.0 may still have them: without it, this one stands for such a
-# database.
+# refuses such rows from 1.1 on (the update refuses to run while there are
+# any), but a database still at 1.0, which the library serves as well, may
+# have them: without the CHECK, this one stands for such a database.
 $node->safe_psql('postgres', q{
 	ALTER TABLE idempotency.outbox_routes DROP CONSTRAINT IF EXISTS outbox_routes_destination_check;
 	BEGIN;

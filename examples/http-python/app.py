@@ -31,6 +31,7 @@ transaction on its own or inside an explicit one.
 """
 import contextlib
 import datetime
+import email.utils
 import hashlib
 import json
 import os
@@ -64,7 +65,11 @@ CREATE TABLE IF NOT EXISTS payments (
 
 # The fingerprint is taken of the body as JSON (::jsonb), so the same
 # request re-sent with other spacing or key order is still the same request.
-CLAIM = """SELECT outcome, status_code, body, headers, attempt, recovery_point
+# lease_left is what a 409's Retry-After says: the whole seconds, rounded up,
+# until the holder's lease runs out (counted by the database's clock, which
+# set the lease); NULL when the holder's transaction is still open.
+CLAIM = """SELECT outcome, status_code, body, headers, attempt, recovery_point, expires_at,
+                  ceil(extract(epoch FROM lease_expires_at - clock_timestamp()))::int AS lease_left
            FROM idempotency.idem_claim(%(scope)s, %(key)s,
                                        idempotency.idem_fingerprint(%(body)s::jsonb),
                                        lease => %(lease)s)"""
@@ -136,12 +141,18 @@ def claim_key(conn, scope, key, body, lease):
 def not_claimed(claim):
     """The answer when idem_claim did not give us the key (README table)."""
     if claim.outcome == "replay":
-        # the stored response, byte for byte, marked as a replay
+        # the stored response, byte for byte, marked as a replay, with when
+        # the key expires (after that, the same key runs a new request)
         return Response(claim.status_code, claim.body or "",
-                        {**(claim.headers or {}), "Idempotent-Replayed": "true"})
+                        {**(claim.headers or {}), "Idempotent-Replayed": "true",
+                         "Idempotency-Expires": email.utils.format_datetime(
+                             claim.expires_at.astimezone(datetime.timezone.utc), usegmt=True)})
     if claim.outcome == "in_progress":
+        # when the holder's lease runs out, a retry can take the key over; a
+        # holder whose transaction is open (no lease yet) is done in a moment
+        retry_after = max(1, claim.lease_left) if claim.lease_left is not None else 1
         return error(409, "a request with this Idempotency-Key is in progress",
-                     **{"Retry-After": "1"})
+                     **{"Retry-After": str(retry_after)})
     if claim.outcome == "mismatch":
         return error(422, "this Idempotency-Key was used with another request")
     raise AssertionError(claim.outcome)

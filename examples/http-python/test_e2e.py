@@ -7,7 +7,10 @@ instances this script starts itself (to kill them) keep their logs and pid
 files. Standard library and psycopg only. Every check counts the effects
 where they land: payments rows in the database, charges at the provider.
 """
+import datetime
+import email.utils
 import json
+import math
 import os
 import re
 import signal
@@ -86,8 +89,10 @@ def retry_until_done(path, payment, key, user, base=SERVICE, patience=20):
         seen.append(answer.status)
         if answer.status != 409 or time.monotonic() > deadline:
             return answer, seen
-        expect(answer.headers.get("Retry-After") == "1", "a 409 carries Retry-After: 1")
-        time.sleep(float(answer.headers["Retry-After"]))
+        retry_after = answer.headers.get("Retry-After", "")
+        expect(retry_after.isdigit() and int(retry_after) >= 1,
+               f"a 409 carries Retry-After: whole seconds, at least 1 (got {retry_after!r})")
+        time.sleep(int(retry_after))
 
 
 def provider(user):
@@ -232,6 +237,13 @@ def check_retry_replays():
     expect(retry.status == 201, f"the retry → 201 (got {retry})")
     expect(retry.body == first.body, "the retry's body is identical, byte for byte")
     expect(retry.replayed, "the retry carries Idempotent-Replayed: true")
+    expect("Idempotency-Expires" not in first.headers, "the first answer has no Idempotency-Expires")
+    (expires_at,) = db.execute("SELECT expires_at FROM idempotency.keys WHERE scope = %s AND key = %s",
+                               (f"{user}:POST /payments", key)).fetchone()
+    expect(retry.headers.get("Idempotency-Expires")
+           == email.utils.format_datetime(expires_at.astimezone(datetime.timezone.utc), usegmt=True),
+           f"the replay's Idempotency-Expires is when the stored response expires, as an HTTP-date "
+           f"(got {retry.headers.get('Idempotency-Expires')!r}, stored {expires_at})")
     expect(retry.headers["Location"] == first.headers["Location"], "and the stored Location header")
     same_json = post("/payments", b'{ "currency" : "EUR",\n  "amount" : 1250 }', key, user)
     expect(same_json.replayed and same_json.body == first.body,
@@ -273,13 +285,41 @@ def check_in_progress_never_waits():
         duplicate = post("/payments", payment, key, user)
         elapsed = time.monotonic() - started
         expect(duplicate.status == 409, f"a duplicate while the first runs → 409 (got {duplicate})")
-        expect(duplicate.headers.get("Retry-After") == "1", "with Retry-After: 1")
+        expect(duplicate.headers.get("Retry-After") == "1",
+               "with Retry-After: 1 (the holder's transaction is open: no lease to count)")
         expect(elapsed < 2, f"answered at once ({elapsed:.3f} s), not after the first finished")
     first = first.result()
     expect(isinstance(first, Answer) and first.status == 201, f"the first then → 201 (got {first})")
     retry = post("/payments", payment, key, user)
     expect(retry.replayed and retry.body == first.body, "a retry now replays it")
     expect(len(payments(user)) == 1, "exactly one payment row")
+
+
+def check_retry_after_counts_the_lease():
+    """A duplicate of a two-transaction request gets 409 with Retry-After
+    counting down the holder's lease, rounded up."""
+    user, key = f"frank-{RUN}", f"leased-{RUN}"
+    payment = {"amount": 300, "currency": "EUR"}
+    scope = f"{user}:POST /charges"
+    # another request holds the key: its claim committed, with a 10 s lease
+    db.execute("""SELECT idempotency.idem_claim(%s, %s, idempotency.idem_fingerprint(%s::jsonb),
+                                                lease => '10 s')""",
+               (scope, key, json.dumps(payment)))
+    duplicate = post("/charges", payment, key, user)
+    (left,) = db.execute("""SELECT extract(epoch FROM lease_expires_at - clock_timestamp())
+                            FROM idempotency.keys WHERE scope = %s AND key = %s""",
+                         (scope, key)).fetchone()
+    expect(duplicate.status == 409, f"a duplicate while the holder's lease runs → 409 (got {duplicate})")
+    retry_after = duplicate.headers.get("Retry-After", "")
+    expect(retry_after.isdigit() and math.ceil(left) <= int(retry_after) <= 10,
+           f"Retry-After is the lease's seconds left, rounded up (got {retry_after!r}, {left:.3f} s left)")
+    extended = db.execute("SELECT idempotency.idem_extend_lease(%s, %s, 1, '1 hour')",
+                          (scope, key)).fetchone()
+    expect(extended is not None, "the holder extends its lease to an hour")
+    later = post("/charges", payment, key, user)
+    expect(later.status == 409 and 3590 <= int(later.headers["Retry-After"]) <= 3600,
+           f"then Retry-After says an hour (got {later.status} {later.headers.get('Retry-After')})")
+    db.execute("SELECT idempotency.idem_release(%s, %s, 1)", (scope, key))
 
 
 def check_concurrent_duplicates():
@@ -475,7 +515,8 @@ def check_crash_after_checkpoint():
 
 def main():
     checks = [check_no_key, check_bad_input, check_retry_replays, check_mismatch, check_scope_per_user,
-              check_in_progress_never_waits, check_concurrent_duplicates,
+              check_in_progress_never_waits, check_retry_after_counts_the_lease,
+              check_concurrent_duplicates,
               check_crash_in_one_transaction, check_provider_failure, check_provider_timeout,
               check_crash_during_provider_call, check_crash_after_checkpoint,
               check_slow_owner_is_fenced]

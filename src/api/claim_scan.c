@@ -27,6 +27,12 @@
  * the function, so that ALTER FUNCTION replans.  EXPLAIN shows
  * "Custom Scan (idem_claim)", and with VERBOSE the call.
  *
+ * One library serves databases at version 1.0 and 1.1 of the SQL objects:
+ * the function is recognised by its C entry point, whichever of its two
+ * signatures the database declares (five arguments at 1.0, six from 1.1
+ * on), and the scan fills the columns of the claim_result type the database
+ * declares (7 or 9).
+ *
  * Owns: the planner hook and the Custom Scan node.
  * May call: api/keys.h (idem_claim's columns), compat.h.
  *
@@ -65,11 +71,6 @@
 
 #define CLAIM_SCAN_NAME "idem_claim"
 
-/* claim_result's column types, in order; anything else is not ours */
-static const Oid claim_result_types[IDEM_CLAIM_RESULT_NATTS] = {
-	TEXTOID, INT4OID, TEXTOID, JSONBOID, INT4OID, TEXTOID, TIMESTAMPTZOID
-};
-
 /*
  * The scan's state.  Its one row stays in values and nulls, in memory of
  * its own, until the arguments change: a rescan that changes none of them
@@ -79,8 +80,9 @@ static const Oid claim_result_types[IDEM_CLAIM_RESULT_NATTS] = {
 typedef struct ClaimScanState
 {
 	CustomScanState css;
-	int			nargs;			/* 5 (1.0's idem_claim) or 6 (with wait) */
-	ExprState  *args[IDEM_CLAIM_MAX_NARGS];	/* each argument, NULL where a constant */
+	int			nargs;			/* 5 at version 1.0, 6 from 1.1 on */
+	ExprState  *args[IDEM_CLAIM_MAX_NARGS]; /* each argument, NULL where a
+											 * constant */
 	int			ncolumns;		/* the scan tuple's columns ... */
 	int			columns[IDEM_CLAIM_RESULT_NATTS];	/* ... in claim_result */
 	Bitmapset  *arg_params;		/* the PARAM_EXEC ids the arguments read */
@@ -182,7 +184,10 @@ references_whole_row(RelOptInfo *rel)
 	return bms_is_member(InvalidAttrNumber - FirstLowInvalidHeapAttributeNumber, attnos);
 }
 
-/* Does claim_result still have the columns this code fills? */
+/*
+ * Does claim_result have the columns this code fills, as version 1.0 or
+ * 1.1 declares it?  (Otherwise the function reports what is wrong.)
+ */
 static bool
 result_type_is_ours(Oid typid)
 {
@@ -191,10 +196,7 @@ result_type_is_ours(Oid typid)
 
 	if (desc == NULL)
 		return false;
-	ours = desc->natts == IDEM_CLAIM_RESULT_NATTS;
-	for (int i = 0; ours && i < desc->natts; i++)
-		ours = !TupleDescAttr(desc, i)->attisdropped &&
-			TupleDescAttr(desc, i)->atttypid == claim_result_types[i];
+	ours = idem_claim_result_natts(desc) > 0;
 	ReleaseTupleDesc(desc);
 	return ours;
 }
@@ -223,7 +225,9 @@ claim_set_rel_pathlist(PlannerInfo *root, RelOptInfo *rel, Index rti,
 	if (!IsA(rtfunc->funcexpr, FuncExpr) || rtfunc->funccolnames != NIL)
 		return;
 	fexpr = (FuncExpr *) rtfunc->funcexpr;
-	if (fexpr->funcretset || list_length(fexpr->args) < IDEM_CLAIM_MIN_NARGS ||
+	/* the planner has filled in the defaults: 1.0's five arguments, or six */
+	if (fexpr->funcretset ||
+		list_length(fexpr->args) < IDEM_CLAIM_MIN_NARGS ||
 		list_length(fexpr->args) > IDEM_CLAIM_MAX_NARGS)
 		return;
 	/* a SubPlan's outer references would escape the rescan check below */
@@ -354,6 +358,7 @@ claim_begin(CustomScanState *node, EState *estate, int eflags)
 		aclcheck_error(aclresult, OBJECT_FUNCTION, get_func_name(funcid));
 	InvokeFunctionExecuteHook(funcid);
 
+	/* as many arguments as the database's idem_claim has (see keys.h) */
 	state->nargs = list_length(fexpr->args);
 	state->fcinfo = palloc0(SizeForFunctionCallInfo(state->nargs));
 	InitFunctionCallInfoData(*state->fcinfo, NULL, state->nargs, InvalidOid,
@@ -406,8 +411,8 @@ claim_make_row(ClaimScanState *state)
 	{
 		struct varlena *value = (struct varlena *) DatumGetPointer(state->values[i]);
 
-		if (!state->nulls[i] && (claim_result_types[i] == TEXTOID ||
-								 claim_result_types[i] == JSONBOID) &&
+		if (!state->nulls[i] && (idem_claim_result_types[i] == TEXTOID ||
+								 idem_claim_result_types[i] == JSONBOID) &&
 			VARATT_IS_EXTERNAL(value))
 			state->values[i] = PointerGetDatum(detoast_external_attr(value));
 	}

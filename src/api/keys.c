@@ -1,8 +1,8 @@
 /*-------------------------------------------------------------------------
  *
  * keys.c
- *	  Idempotency keys: idem_claim, idem_complete, idem_release and
- *	  idem_checkpoint.
+ *	  Idempotency keys: idem_claim, idem_complete, idem_release,
+ *	  idem_checkpoint and idem_extend_lease.
  *
  * A row of idempotency.keys is in progress while status_code is NULL and
  * completed once a response is stored.  idem_claim decides, from one probe
@@ -45,6 +45,7 @@
 
 #include "access/htup_details.h"
 #include "access/xact.h"
+#include "catalog/pg_type.h"
 #include "common/int.h"
 #include "funcapi.h"
 #include "miscadmin.h"
@@ -65,6 +66,7 @@ PG_FUNCTION_INFO_V1(idem_claim);
 PG_FUNCTION_INFO_V1(idem_complete);
 PG_FUNCTION_INFO_V1(idem_release);
 PG_FUNCTION_INFO_V1(idem_checkpoint);
+PG_FUNCTION_INFO_V1(idem_extend_lease);
 
 /* Columns of idempotency.claim_result. */
 enum
@@ -75,11 +77,22 @@ enum
 	RESULT_HEADERS,
 	RESULT_ATTEMPT,
 	RESULT_RECOVERY_POINT,
-	RESULT_CREATED_AT
+	RESULT_CREATED_AT,
+	/* from 1.1 on */
+	RESULT_LEASE_EXPIRES_AT,
+	RESULT_EXPIRES_AT
 };
 
-StaticAssertDecl(RESULT_CREATED_AT + 1 == IDEM_CLAIM_RESULT_NATTS,
+StaticAssertDecl(RESULT_CREATED_AT + 1 == IDEM_CLAIM_RESULT_NATTS_1_0,
+				 "claim_result's columns at 1.0");
+StaticAssertDecl(RESULT_EXPIRES_AT + 1 == IDEM_CLAIM_RESULT_NATTS,
 				 "claim_result's columns");
+
+/* claim_result's column types, in order */
+const Oid	idem_claim_result_types[IDEM_CLAIM_RESULT_NATTS] = {
+	TEXTOID, INT4OID, TEXTOID, JSONBOID, INT4OID, TEXTOID, TIMESTAMPTZOID,
+	TIMESTAMPTZOID, TIMESTAMPTZOID
+};
 
 /* A row of idempotency.keys, deformed. */
 typedef struct KeyRow
@@ -127,8 +140,30 @@ text_for_message(text *t)
 }
 
 /*
+ * How many of claim_result's columns a row type has: 7 for the type as 1.0
+ * declares it, 9 as 1.1 does, and -1 for anything else (a type altered by
+ * hand, which this code does not know how to fill).
+ */
+int
+idem_claim_result_natts(TupleDesc desc)
+{
+	if (desc->natts != IDEM_CLAIM_RESULT_NATTS_1_0 &&
+		desc->natts != IDEM_CLAIM_RESULT_NATTS)
+		return -1;
+	for (int i = 0; i < desc->natts; i++)
+	{
+		Form_pg_attribute attr = TupleDescAttr(desc, i);
+
+		if (attr->attisdropped || attr->atttypid != idem_claim_result_types[i])
+			return -1;
+	}
+	return desc->natts;
+}
+
+/*
  * The result type's descriptor, from the type cache (release it with
- * ReleaseTupleDesc).  A call site's fn_extra would not do: a statement's
+ * ReleaseTupleDesc): the database's claim_result, with 7 columns or 9 (see
+ * keys.h), checked.  A call site's fn_extra would not do: a statement's
  * function call is set up anew each time the statement runs, prepared or
  * not, and get_call_result_type costs a catalog lookup.
  */
@@ -143,7 +178,15 @@ claim_result_desc(FunctionCallInfo fcinfo)
 		if (get_call_result_type(fcinfo, &typid, &desc) != TYPEFUNC_COMPOSITE)
 			elog(ERROR, "idem_claim must return idempotency.claim_result");
 	}
-	return lookup_rowtype_tupdesc(typid, -1);
+	desc = lookup_rowtype_tupdesc(typid, -1);
+	if (idem_claim_result_natts(desc) < 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("type %s does not have the columns this version of idempotency expects",
+						format_type_be(typid)),
+				 errdetail("It should have the 7 columns of version 1.0 or the 9 of version 1.1, of their types."),
+				 errhint("Do not alter the extension's types; reinstall the extension with DROP EXTENSION and CREATE EXTENSION.")));
+	return desc;
 }
 
 /* idem_claim's answers, each with the counter it bumps (see idempotency.stats). */
@@ -185,7 +228,11 @@ outcome_datum(ClaimOutcome outcome)
 
 /*
  * Fill the columns of claim_result: the outcome, and for every outcome but
- * "claimed" of a new key, what the stored row says.
+ * "claimed" of a new key, what the stored row says.  Of the row's times,
+ * "claimed" and "in_progress" say when its lease runs out, "replay" when
+ * the stored response expires (an "in_progress" whose holder's lease is
+ * not known to run, see holder_lease_known, has its lease_expires_at set
+ * back to NULL by the caller).
  */
 static void
 claim_columns(ClaimOutcome outcome, const KeyRow *row, Datum *values, bool *nulls)
@@ -216,7 +263,33 @@ claim_columns(ClaimOutcome outcome, const KeyRow *row, Datum *values, bool *null
 			values[copied[i].result_column] = KEY_VALUE(row, copied[i].key_column);
 			nulls[copied[i].result_column] = KEY_ISNULL(row, copied[i].key_column);
 		}
+		if (outcome == OUTCOME_CLAIMED || outcome == OUTCOME_IN_PROGRESS)
+		{
+			values[RESULT_LEASE_EXPIRES_AT] = KEY_VALUE(row, Anum_keys_lease_expires_at);
+			nulls[RESULT_LEASE_EXPIRES_AT] = KEY_ISNULL(row, Anum_keys_lease_expires_at);
+		}
+		if (outcome == OUTCOME_REPLAY)
+		{
+			values[RESULT_EXPIRES_AT] = KEY_VALUE(row, Anum_keys_expires_at);
+			nulls[RESULT_EXPIRES_AT] = false;
+		}
 	}
+}
+
+/*
+ * For an "in_progress" answer from a settled row: is the holder's claim
+ * committed, with a lease still running?  Then its lease_expires_at is
+ * when a takeover becomes possible.  Not for a claim this transaction made
+ * itself (nobody else sees it before it commits), nor for a row whose lease
+ * ran out or that expired while another transaction changes it (a takeover
+ * or a new claim is under way, with a lease not known yet).
+ */
+static bool
+holder_lease_known(const KeyRow *row, bool written_by_us, TimestampTz now)
+{
+	return !written_by_us && !key_row_expired(row, now) &&
+		!KEY_ISNULL(row, Anum_keys_lease_expires_at) &&
+		DatumGetTimestampTz(KEY_VALUE(row, Anum_keys_lease_expires_at)) > now;
 }
 
 /*
@@ -421,6 +494,8 @@ idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 				claim_wait_sleep(&wait, holder_lease_end(&row, &found)))
 				continue;
 			claim_columns(OUTCOME_IN_PROGRESS, &row, values, nulls);
+			if (!holder_lease_known(&row, found.written_by_us, now))
+				nulls[RESULT_LEASE_EXPIRES_AT] = true;
 			break;
 		}
 
@@ -453,10 +528,12 @@ idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 }
 
 /*
- * idem_claim(scope, key, fingerprint, ttl, lease[, wait]) -> claim_result
+ * idem_claim(scope, key, fingerprint, ttl, lease [, wait]) -> claim_result
  *
  * Called in FROM, as it usually is, the planner puts a direct scan in the
- * place of this function (claim_scan.c); everywhere else, this runs.
+ * place of this function (claim_scan.c); everywhere else, this runs.  The
+ * result has the columns of the database's claim_result: 7 at 1.0, 9 from
+ * 1.1 on (heap_form_tuple reads as many of ours as the type has).
  */
 Datum
 idem_claim(PG_FUNCTION_ARGS)
@@ -685,4 +762,50 @@ idem_checkpoint(PG_FUNCTION_ARGS)
 	change_claim("idem_checkpoint()", fcinfo, 3, checkpoint_row,
 				 idem_arg_text_or_null(fcinfo, 2));
 	PG_RETURN_VOID();
+}
+
+typedef struct LeaseExtension
+{
+	Interval   *lease;
+	TimestampTz lease_expires_at;	/* out: the new one */
+} LeaseExtension;
+
+static bool
+extend_lease_row(KeyRow *row, void *arg)
+{
+	LeaseExtension *extension = (LeaseExtension *) arg;
+
+	extension->lease_expires_at = idem_timestamp_plus(GetCurrentTimestamp(),
+													  extension->lease);
+	KEY_SET(row, Anum_keys_lease_expires_at,
+			TimestampTzGetDatum(extension->lease_expires_at));
+	/* kept for a takeover until lease + ttl, as start_claim counts it */
+	KEY_SET(row, Anum_keys_expires_at,
+			TimestampTzGetDatum(idem_timestamp_plus(extension->lease_expires_at,
+													DatumGetIntervalP(KEY_VALUE(row, Anum_keys_ttl)))));
+	return true;
+}
+
+/*
+ * idem_extend_lease(scope, key, attempt, lease) -> timestamptz
+ *
+ * The holder of a claim says it is still at work: its lease runs for lease
+ * (idempotency.lease by default) from now, and the new lease_expires_at is
+ * returned.  Fenced by attempt, which is required: a holder whose claim was
+ * taken over gets 22I03 and changes nothing.  The errors are
+ * idem_checkpoint's (see find_claim).
+ */
+Datum
+idem_extend_lease(PG_FUNCTION_ARGS)
+{
+	LeaseExtension extension;
+
+	if (PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("attempt must not be null"),
+				 errhint("Pass the attempt that idem_claim returned with \"claimed\".")));
+	extension.lease = idem_arg_duration(fcinfo, 3, "lease", idem_lease_ms);
+	change_claim("idem_extend_lease()", fcinfo, 2, extend_lease_row, &extension);
+	PG_RETURN_TIMESTAMPTZ(extension.lease_expires_at);
 }

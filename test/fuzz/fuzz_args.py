@@ -411,6 +411,8 @@ FUNCTIONS = [
     Fn("idem_release", [("scope", "scope"), ("key", "key"), ("attempt", "attempt")], {"claimed"}),
     Fn("idem_checkpoint", [("scope", "scope"), ("key", "key"), ("recovery_point", "text"),
                            ("attempt", "attempt")], {"claimed"}),
+    Fn("idem_extend_lease", [("scope", "scope"), ("key", "key"), ("attempt", "attempt"),
+                             ("lease", "interval")], {"claimed"}),
     Fn("idem_fingerprint", [("request", "jsonb")], set()),
     Fn("idem_fingerprint", [("request", "text")], set()),
     Fn("idem_fingerprint", [("request", "bytea")], set()),
@@ -856,9 +858,9 @@ class Fuzzer:
         if self.rng.random() < 0.1:
             attempt = self.rng.choice(hostile_attempts())
         op = self.rng.choices(
-            ["claim", "complete", "release", "checkpoint", "takeover", "mark", "is_processed",
-             "enqueue", "fetch", "ack", "nack", "dead", "maintenance", "stats"],
-            [25, 14, 8, 8, 8, 8, 4, 8, 6, 4, 4, 2, 2, 1])[0]
+            ["claim", "complete", "release", "checkpoint", "extend", "takeover", "mark",
+             "is_processed", "enqueue", "fetch", "ack", "nack", "dead", "maintenance", "stats"],
+            [25, 14, 8, 8, 4, 8, 8, 4, 8, 6, 4, 4, 2, 2, 1])[0]
         if op == "takeover" and s.in_tx:
             op = "claim"  # a takeover needs a committed claim to take over
         ev = lit("e" + k[1:])  # events named after the key
@@ -881,6 +883,9 @@ class Fuzzer:
         if op == "checkpoint":
             rp = self.rng.choice(["NULL", "'step 2'", "repeat('r', 5000)"])
             return f"SELECT idempotency.idem_checkpoint('race', '{k}', {rp}, {attempt})", True, "checkpoint"
+        if op == "extend":
+            lease = self.rng.choice(["NULL", "'10 ms'", "'1 hour'"])
+            return f"SELECT idempotency.idem_extend_lease('race', '{k}', {attempt}, {lease})", True, "extend"
         if op == "mark":
             retention = self.rng.choice(["NULL", "'10 ms'", "'1 day'"])
             return f"SELECT idempotency.idem_mark_processed('race', {ev}, {retention})", True, "mark"
