@@ -4,8 +4,9 @@
 # idempotency.stats as a metric, with the view's value after known traffic:
 # claims of every outcome, a takeover, releases, completions, marks, a purge,
 # outbox rows of three topics in each state, a publish and a failure of the
-# worker.  The exporter listens on 127.0.0.1 only, on a free port; it is
-# stopped on every way out.  Without the exporter installed the test fails:
+# worker; and a second database, which the exporter finds by itself.  The
+# exporter listens on 127.0.0.1 only, on a free port; it is stopped on
+# every way out.  Without the exporter installed the test fails:
 # scripts/deps.sh installs it.
 #
 # Every column of the view must have its metric: a counter (a bigint column
@@ -45,8 +46,10 @@ idempotency.purge_interval = '24h'
 idempotency.outbox_max_attempts = 1
 });
 $node->start;
+# app, and shop, which the exporter finds by itself (--auto-discover-databases)
 $node->safe_psql('postgres', 'CREATE DATABASE app');
-$node->safe_psql('app', 'CREATE EXTENSION idempotency');
+$node->safe_psql('postgres', 'CREATE DATABASE shop');
+$node->safe_psql($_, 'CREATE EXTENSION idempotency') for ('app', 'shop');
 
 # --- the exporter's role, with the very statements of the doc's block
 open(my $fh, '<', $doc) or die "cannot read $doc: $!";
@@ -55,6 +58,9 @@ close $fh;
 my ($role_sql) = $markdown =~ /<!-- exporter-role -->\n```sql\n(.*?)```/s
   or die "no ```sql block after <!-- exporter-role --> in $doc";
 $node->safe_psql('app', $role_sql);
+# in another database, the grants again (the role is the cluster's)
+(my $grants_sql = $role_sql) =~ s/^CREATE ROLE .*\n//m;
+$node->safe_psql('shop', $grants_sql);
 
 # least privilege: it reads no response, payload or event id
 for my $read ('body FROM idempotency.keys', 'payload FROM idempotency.outbox',
@@ -64,10 +70,14 @@ for my $read ('body FROM idempotency.keys', 'payload FROM idempotency.outbox',
 	like($err, qr/permission denied/, "the exporter's role may not read $read");
 }
 
-# --- the worker has made its first round (its purge pass)
-$node->poll_query_until('app',
-	'SELECT worker_pid IS NOT NULL AND worker_last_round IS NOT NULL FROM idempotency.stats')
-  or die 'the worker did not finish its first round';
+# --- each worker has made its first round (its purge pass)
+for my $db ('app', 'shop')
+{
+	$node->poll_query_until($db,
+		'SELECT worker_pid IS NOT NULL AND worker_last_round IS NOT NULL FROM idempotency.stats')
+	  or die "the worker of $db did not finish its first round";
+}
+$node->safe_psql('shop', q{SELECT idempotency.idem_claim('shop', 'only')});
 
 # --- known traffic
 $node->safe_psql('app', q{
@@ -175,7 +185,8 @@ local $SIG{INT} = local $SIG{TERM} = sub { stop_exporter(); die "killed\n"; };
 	$exporter = IPC::Run::start(
 		[
 			$exporter_bin, "--web.listen-address=127.0.0.1:$port",
-			"--extend.query-path=$queries", '--log.level=info'
+			"--extend.query-path=$queries", '--auto-discover-databases',
+			'--include-databases=shop', '--log.level=info'
 		],
 		'<', \undef, '>&', $log);
 }
@@ -225,7 +236,7 @@ sub samples_of
 	} @{ $samples{$name} // [] };
 }
 
-# one sample of the app database
+# one sample, of the app database unless another is asked for
 sub value_of
 {
 	my ($name, %want) = @_;
@@ -339,6 +350,12 @@ is(value_of('idempotency_outbox_publish_lag_seconds', topic => 'broken'), '0',
 	'no lag where no row is ready');
 cmp_ok(value_of('idempotency_outbox_publish_lag_seconds', topic => 'invoices'), '>', 0,
 	'a lag where a row waits');
+
+# --- the other database, through the same exporter
+is_value(value_of('idempotency_claims_total', database => 'shop'), 1,
+	'shop, found by the exporter, has its own counters');
+is_value(value_of('idempotency_keys_in_progress', database => 'shop'), 1, 'and its own keys');
+is_value(value_of('idempotency_worker_up', database => 'shop'), 1, 'and its own worker');
 
 # --- each metric has a help text of its own
 for my $name (grep { /^idempotency_/ } sort keys %samples)
