@@ -26,14 +26,15 @@ use List::Util qw(max sum0);
 use Time::HiRes qw(usleep);
 
 my $exporter_bin = '/usr/bin/prometheus-postgres-exporter';
+# a failure, not a skip: the other tests of the suite still run
 -x $exporter_bin
-  or BAIL_OUT("$exporter_bin is missing: install Debian's prometheus-postgres-exporter "
-	  . '(scripts/deps.sh does, as root)');
+  or die "$exporter_bin is missing: install Debian's prometheus-postgres-exporter "
+  . "(scripts/deps.sh does, as root)\n";
 
 # prove runs in the top directory of the tree
 my $queries = 'prometheus/queries.yaml';
 my $doc = 'doc/integrations/prometheus.md';
--r $queries or BAIL_OUT("$queries is missing");
+-r $queries or die "$queries is missing\n";
 
 my $node = PostgreSQL::Test::Cluster->new('prometheus');
 $node->init;
