@@ -203,6 +203,10 @@ grep -q " \./usr/share/postgresql/$major/extension/idempotency--1\.0\.sql$" "$sc
 	echo "check-deb: idempotency--1.0.sql is missing" >&2
 	exit 1
 }
+grep -q " \./usr/share/doc/$pkg/examples/queries\.yaml$" "$scratch/contents" || {
+	echo "check-deb: the exporter's queries file (examples/queries.yaml) is missing" >&2
+	exit 1
+}
 
 step="installing the package"
 if [ "$(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null)" != installed ]; then

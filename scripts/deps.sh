@@ -37,6 +37,8 @@ command -v npm >/dev/null || missing+=(npm)
 command -v sqlsmith >/dev/null || missing+=(sqlsmith)
 [ -f "/usr/share/postgresql/$PG_MAJOR/extension/pg_cron.control" ] ||
 	missing+=("postgresql-$PG_MAJOR-cron")
+# t/012 starts Debian's Prometheus exporter with prometheus/queries.yaml
+[ -x /usr/bin/prometheus-postgres-exporter ] || missing+=(prometheus-postgres-exporter)
 
 [ ${#missing[@]} -eq 0 ] && exit 0
 
@@ -48,5 +50,18 @@ fi
 
 echo "installing: ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
+# The exporter's package starts its service when installed where an init
+# system runs (newer versions listen on :9187, every interface, even with no
+# database configured); the tests start their own.  Unless the machine has a
+# policy of its own, one that refuses that service alone (exit 101: "action
+# forbidden", see invoke-rc.d(8)) is in place during the install.
+policy=
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+	policy=/usr/sbin/policy-rc.d
+	trap 'rm -f "$policy"' EXIT
+	printf '%s\n' '#!/bin/sh' \
+		'case $1 in prometheus-postgres-exporter*) exit 101 ;; esac' 'exit 0' >"$policy"
+	chmod 755 "$policy"
+fi
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
