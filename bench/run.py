@@ -225,6 +225,24 @@ def steal_share(before, after):
     return 100.0 * (after[0] - before[0]) / total if total else 0.0
 
 
+def machine():
+    """Cores, memory, CPU model and kernel, for the header."""
+    with open("/proc/cpuinfo") as info:
+        model = next((line.split(":", 1)[1].strip() for line in info
+                      if line.startswith("model name")), "unknown CPU")
+    with open("/proc/meminfo") as info:
+        memory = int(info.readline().split()[1]) / 2**20
+    kernel = subprocess.run(["uname", "-sr"], capture_output=True, text=True).stdout.strip()
+    return f"{os.cpu_count()} cores ({model}), {memory:.0f} GB, {kernel}"
+
+
+def load():
+    """The machine's load averages (1, 5, 15 minutes): other work on it
+    slows whichever run it lands in."""
+    with open("/proc/loadavg") as loadavg:
+        return " ".join(loadavg.read().split()[:3])
+
+
 def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
     """Rounds of ours and the reference, alternating which goes first; each
     run starts from vacuumed tables and a checkpoint.  Returns the median
@@ -387,9 +405,8 @@ def mb(size):
 def main():
     cluster = Cluster()
     try:
-        machine = f"{os.cpu_count()} cores, {subprocess.run(['uname', '-sr'], capture_output=True, text=True).stdout.strip()}"
         version = cluster.psql("SHOW server_version")
-        print(f"== idempotency benchmark: PostgreSQL {version}, {machine}")
+        print(f"== idempotency benchmark: PostgreSQL {version}, {machine()}; load {load()}")
         print(f"   pgbench -M prepared, {CLIENTS} clients, {SECONDS} s, {ROUNDS} rounds alternating;"
               " tps: median of rounds; ratio: median of the rounds' ratios")
         cluster.psql_file(os.path.join(HERE, "setup.sql"))
@@ -423,7 +440,7 @@ def main():
                   f"{median['ref'][0]:10.0f} {median['ref'][1]:7.2f} {ratio:6.2f} "
                   f"{'ok' if ratio >= bar else 'MISS':>5}", flush=True)
             print(f"   ratio in each round: {median['rounds']}; CPU time stolen by the host,"
-                  f" % (ours/ref): {median['steal']}", flush=True)
+                  f" % (ours/ref): {median['steal']}; load {load()}", flush=True)
 
         print("\n== claim + complete vs floor, other shapes (one round, 10 s, no bar)")
         for label, kwargs in [] if "shapes" not in PARTS else [("1 client", {"clients": 1}), ("32 clients", {"clients": 32}),
