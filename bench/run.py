@@ -442,7 +442,8 @@ def main():
             print(f"   ratio in each round: {median['rounds']}; CPU time stolen by the host,"
                   f" % (ours/ref): {median['steal']}; load {load()}", flush=True)
 
-        print("\n== claim + complete vs floor, other shapes (one round, 10 s, no bar)")
+        if "shapes" in PARTS:
+            print("\n== claim + complete vs floor, other shapes (one round, 10 s, no bar)")
         for label, kwargs in [] if "shapes" not in PARTS else [("1 client", {"clients": 1}), ("32 clients", {"clients": 32}),
                               ("8 clients, synchronous_commit off",
                                {"options": "-c synchronous_commit=off"})]:
