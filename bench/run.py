@@ -142,6 +142,16 @@ idempotency.naptime = '100ms'
         kwargs.setdefault("stderr", subprocess.PIPE)
         return subprocess.Popen(AS_RUNNER + argv, text=True, **kwargs)
 
+    def log_problems(self, last=10):
+        """The server log's ERROR, WARNING, FATAL and PANIC lines, the last
+        few: a worker that fell behind may have failed batches meanwhile."""
+        if not os.path.exists(f"{self.dir}/server.log"):
+            return 0, []
+        with open(f"{self.dir}/server.log", errors="replace") as log:
+            lines = [line.rstrip() for line in log
+                     if re.search(r"\b(ERROR|WARNING|FATAL|PANIC):", line)]
+        return len(lines), lines[-last:]
+
     def stop(self):
         subprocess.run(AS_RUNNER + [f"{PGBIN}/pg_ctl", "-D", f"{self.dir}/data",
                                     "-m", "fast", "stop"], capture_output=True)
@@ -302,7 +312,8 @@ def bench_publish(cluster):
     # flat: the second half's backlog is no larger than the first half's
     # (allowing noise of a few batches), and it drains once enqueueing stops
     keeps_up = max(second) <= max(first) * 1.5 + 100 and drained == 0
-    return {"tps": tps, "backlog_max": max(backlog or [0]), "backlog_last": (backlog or [0])[-1],
+    failures = int(cluster.psql("SELECT publish_failures FROM idempotency.idem_stats_counters()"))
+    return {"tps": tps, "failures": failures, "backlog_max": max(backlog or [0]), "backlog_last": (backlog or [0])[-1],
             "drained": drained, "p50": p50, "p99": p99, "keeps_up": keeps_up}
 
 
@@ -460,7 +471,8 @@ def main():
             print(f"enqueue {published['tps']:.0f} tps; backlog max {published['backlog_max']}, "
                   f"last {published['backlog_last']}, after 2 s {published['drained']}; "
                   f"commit->publish p50 {published['p50']:.1f} ms, p99 {published['p99']:.1f} ms; "
-                  f"keeps up: {published['keeps_up']}", flush=True)
+                  f"keeps up: {published['keeps_up']}; failed publishing attempts: {published['failures']}",
+                  flush=True)
             summary["publish_keeps_up"] = published["keeps_up"]
             summary["publish_p50_ms"] = round(published["p50"], 2)
             summary["publish_p99_ms"] = round(published["p99"], 2)
@@ -500,6 +512,10 @@ def main():
         summary["foreground_during_purge"] = round(during / quiet, 3)
         summary["bloat_after_3_cycles"] = round(sum(size3) / sum(size1), 3)
     finally:
+        problems, lines = cluster.log_problems()
+        if problems:
+            print(f"\n== the server log has {problems} ERROR/WARNING/FATAL/PANIC lines; the last:")
+            print("\n".join(lines))
         cluster.stop()
     print(json.dumps(summary))
 
