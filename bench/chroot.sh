@@ -4,7 +4,10 @@
 # the checkout's copy) inside one of make test-matrix's chroots, as root:
 # RELEASE is bookworm, trixie or sid, or its PostgreSQL version (15, 17, 18).
 # BENCH_* variables are passed in.  The chroot must exist already (make
-# test-matrix MATRIX=17 makes it); make bench installs what it lacks there.
+# test-matrix MATRIX=17 makes it); it is set up again as make test-matrix
+# does (scripts/chroot-common.sh: make, the apt sources, a policy-rc.d that
+# keeps PostgreSQL's packages from starting a cluster), and make bench
+# installs the release's PostgreSQL there on first use.
 #
 # As scripts/matrix.sh does: proc, sys, /dev, /dev/pts and a tmpfs on
 # /dev/shm are mounted for the run, and the checkout goes in as git sees it
@@ -16,6 +19,7 @@
 #
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/chroot-common.sh
 
 cache=${MATRIX_CACHE:-/var/cache/idempotency-matrix}
 case ${1:-} in
@@ -77,25 +81,14 @@ mount_in --bind /sys "$root/sys"
 mount_in --bind /dev "$root/dev"
 mount_in --bind /dev/pts "$root/dev/pts"
 mount_in -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"
-cp /etc/resolv.conf "$root/etc/resolv.conf"
-
-copy=$root/root/idempotency-bench
-rm -rf "$copy"
-mkdir -p "$copy"
-git ls-files -z -co --exclude-standard |
-	while IFS= read -r -d '' file; do
-		if [ -e "$file" ] || [ -L "$file" ]; then printf '%s\0' "$file"; fi
-	done |
-	tar --null -T - -cf - | tar -C "$copy" -xf -
+configure_chroot "$root" "$release"
+copy_checkout "$root/root/idempotency-bench"
 
 passed=()
 for name in $(compgen -e); do
 	[[ $name == BENCH_* ]] && passed+=("$name=${!name}")
 done
-chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb \
-	PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-	DEBIAN_FRONTEND=noninteractive "${passed[@]}" \
-	/bin/bash -c "cd /root/idempotency-bench && $command" &
+in_chroot "$root" "cd /root/idempotency-bench && $command" "${passed[@]}" &
 child=$!
 status=0
 wait "$child" || status=$?

@@ -149,6 +149,16 @@ idempotency.naptime = '100ms'
         kwargs.setdefault("stderr", subprocess.PIPE)
         return subprocess.Popen(AS_RUNNER + argv, text=True, **kwargs)
 
+    def log_problems(self, last=10):
+        """The server log's ERROR, WARNING, FATAL and PANIC lines, the last
+        few: a worker that fell behind may have failed batches meanwhile."""
+        if not os.path.exists(f"{self.dir}/server.log"):
+            return 0, []
+        with open(f"{self.dir}/server.log", errors="replace") as log:
+            lines = [line.rstrip() for line in log
+                     if re.search(r"\b(ERROR|WARNING|FATAL|PANIC):", line)]
+        return len(lines), lines[-last:]
+
     def stop(self):
         subprocess.run(AS_RUNNER + [f"{PGBIN}/pg_ctl", "-D", f"{self.dir}/data",
                                     "-m", "fast", "stop"], capture_output=True)
@@ -232,6 +242,24 @@ def steal_share(before, after):
     return 100.0 * (after[0] - before[0]) / total if total else 0.0
 
 
+def machine():
+    """Cores, memory, CPU model and kernel, for the header."""
+    with open("/proc/cpuinfo") as info:
+        model = next((line.split(":", 1)[1].strip() for line in info
+                      if line.startswith("model name")), "unknown CPU")
+    with open("/proc/meminfo") as info:
+        memory = int(info.readline().split()[1]) / 2**20
+    kernel = subprocess.run(["uname", "-sr"], capture_output=True, text=True).stdout.strip()
+    return f"{os.cpu_count()} cores ({model}), {memory:.0f} GB, {kernel}"
+
+
+def load():
+    """The machine's load averages (1, 5, 15 minutes): other work on it
+    slows whichever run it lands in."""
+    with open("/proc/loadavg") as loadavg:
+        return " ".join(loadavg.read().split()[:3])
+
+
 def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
     """Rounds of ours and the reference, alternating which goes first; each
     run starts from vacuumed tables and a checkpoint.  Returns the median
@@ -291,7 +319,8 @@ def bench_publish(cluster):
     # flat: the second half's backlog is no larger than the first half's
     # (allowing noise of a few batches), and it drains once enqueueing stops
     keeps_up = max(second) <= max(first) * 1.5 + 100 and drained == 0
-    return {"tps": tps, "backlog_max": max(backlog or [0]), "backlog_last": (backlog or [0])[-1],
+    failures = int(cluster.psql("SELECT publish_failures FROM idempotency.idem_stats_counters()"))
+    return {"tps": tps, "failures": failures, "backlog_max": max(backlog or [0]), "backlog_last": (backlog or [0])[-1],
             "drained": drained, "p50": p50, "p99": p99, "keeps_up": keeps_up}
 
 
@@ -551,9 +580,8 @@ def mb(size):
 def main():
     cluster = Cluster()
     try:
-        machine = f"{os.cpu_count()} cores, {subprocess.run(['uname', '-sr'], capture_output=True, text=True).stdout.strip()}"
         version = cluster.psql("SHOW server_version")
-        print(f"== idempotency benchmark: PostgreSQL {version}, {machine}")
+        print(f"== idempotency benchmark: PostgreSQL {version}, {machine()}; load {load()}")
         print(f"   pgbench -M prepared, {CLIENTS} clients, {SECONDS} s, {ROUNDS} rounds alternating;"
               " tps: median of rounds; ratio: median of the rounds' ratios")
         cluster.psql_file(os.path.join(HERE, "setup.sql"))
@@ -587,9 +615,10 @@ def main():
                   f"{median['ref'][0]:10.0f} {median['ref'][1]:7.2f} {ratio:6.2f} "
                   f"{'ok' if ratio >= bar else 'MISS':>5}", flush=True)
             print(f"   ratio in each round: {median['rounds']}; CPU time stolen by the host,"
-                  f" % (ours/ref): {median['steal']}", flush=True)
+                  f" % (ours/ref): {median['steal']}; load {load()}", flush=True)
 
-        print("\n== claim + complete vs floor, other shapes (one round, 10 s, no bar)")
+        if "shapes" in PARTS:
+            print("\n== claim + complete vs floor, other shapes (one round, 10 s, no bar)")
         for label, kwargs in [] if "shapes" not in PARTS else [("1 client", {"clients": 1}), ("32 clients", {"clients": 32}),
                               ("8 clients, synchronous_commit off",
                                {"options": "-c synchronous_commit=off"})]:
@@ -606,7 +635,8 @@ def main():
             print(f"enqueue {published['tps']:.0f} tps; backlog max {published['backlog_max']}, "
                   f"last {published['backlog_last']}, after 2 s {published['drained']}; "
                   f"commit->publish p50 {published['p50']:.1f} ms, p99 {published['p99']:.1f} ms; "
-                  f"keeps up: {published['keeps_up']}", flush=True)
+                  f"keeps up: {published['keeps_up']}; failed publishing attempts: {published['failures']}",
+                  flush=True)
             summary["publish_keeps_up"] = published["keeps_up"]
             summary["publish_p50_ms"] = round(published["p50"], 2)
             summary["publish_p99_ms"] = round(published["p99"], 2)
@@ -650,6 +680,10 @@ def main():
         summary["foreground_during_purge"] = round(during / quiet, 3)
         summary["bloat_after_3_cycles"] = round(sum(size3) / sum(size1), 3)
     finally:
+        problems, lines = cluster.log_problems()
+        if problems:
+            print(f"\n== the server log has {problems} ERROR/WARNING/FATAL/PANIC lines; the last:")
+            print("\n".join(lines))
         cluster.stop()
     print(json.dumps(summary))
 

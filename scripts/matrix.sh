@@ -28,22 +28,16 @@
 #     one ends those processes (by their root, which is the chroot) and
 #     unmounts before it starts, as it does when it stops.  Long steps run in
 #     the background, waited for, so that a signal stops the run at once.
-#   - the host's own trusted certificate authorities are copied in: npm
-#     reaches its registry through whatever the host trusts.
-#   - /usr/sbin/policy-rc.d exits 101, so that installing postgresql-NN does
-#     not start its cluster (nor anything else start a service).
-#   - sid's Release file says how long it is valid, which a mirror's copy
-#     may outlive: apt is told not to check.  The stable releases get their
-#     -updates and -security suites, as an installed system has them.
-#   - the checkout goes in as git sees it, tracked files and new ones but
-#     nothing ignored: built objects of the host's version must not come
-#     along, and .git, results and node_modules are not needed.
+#   - the rest of the set-up (a policy-rc.d that keeps packages from
+#     starting services, the apt sources, the host's certificate
+#     authorities, make) and the copy of the checkout are
+#     scripts/chroot-common.sh's, shared with bench/chroot.sh.
 #
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/chroot-common.sh
 
 cache=${MATRIX_CACHE:-/var/cache/idempotency-matrix}
-mirror=http://deb.debian.org/debian
 releases=(bookworm:15 trixie:17 sid:18)
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -115,12 +109,6 @@ waited() {
 	return $status
 }
 
-in_chroot() {
-	chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb \
-		PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-		DEBIAN_FRONTEND=noninteractive /bin/bash -c "$1"
-}
-
 # A finished debootstrap removes its own work directory, /debootstrap; one
 # that was stopped halfway is started again from nothing, in $root.new.
 # (release_chroot has unmounted everything under both, or failed.)
@@ -142,37 +130,8 @@ setup_chroot() {
 	mount --bind /dev/pts "$root/dev/pts"
 	mount -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"
 
-	cp /etc/resolv.conf "$root/etc/resolv.conf"
-	printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
-	chmod 755 "$root/usr/sbin/policy-rc.d"
-	{
-		echo "deb $mirror $suite main"
-		if [ "$suite" != sid ]; then
-			echo "deb $mirror $suite-updates main"
-			echo "deb ${mirror}-security $suite-security main"
-		fi
-	} >"$root/etc/apt/sources.list"
-	if [ "$suite" = sid ]; then
-		echo 'Acquire::Check-Valid-Until "false";' >"$root/etc/apt/apt.conf.d/99idempotency-matrix"
-	fi
-	if [ -d /usr/local/share/ca-certificates ]; then
-		mkdir -p "$root/usr/local/share/ca-certificates"
-		cp -R /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
-	fi
-
-	# dpkg --configure -a: what a run killed halfway through apt left
-	in_chroot 'dpkg --configure -a && apt-get update -qq &&
-		apt-get install -y -qq --no-install-recommends ca-certificates make >/dev/null &&
-		update-ca-certificates >/dev/null'
-
-	rm -rf "$root/root/idempotency"
-	mkdir "$root/root/idempotency"
-	git ls-files -z -co --exclude-standard |
-		while IFS= read -r -d '' file; do
-			# a tracked file deleted in the work tree is not there to copy
-			if [ -e "$file" ] || [ -L "$file" ]; then printf '%s\0' "$file"; fi
-		done |
-		tar --null -T - -cf - | tar -C "$root/root/idempotency" -xf -
+	configure_chroot "$root" "$suite"
+	copy_checkout "$root/root/idempotency"
 }
 
 elapsed() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
@@ -211,7 +170,7 @@ for release in "${picked[@]}"; do
 	line="setup $(elapsed $((SECONDS - start)))"
 
 	start=$SECONDS
-	background "$cache/$suite.test.log" in_chroot 'cd /root/idempotency && make test'
+	background "$cache/$suite.test.log" in_chroot "$root" 'cd /root/idempotency && make test'
 	if waited; then
 		line+=", test passed"
 	else
@@ -222,7 +181,7 @@ for release in "${picked[@]}"; do
 
 	if grep -q '^check-deb[[:space:]]*:' Makefile; then
 		start=$SECONDS
-		background "$cache/$suite.check-deb.log" in_chroot 'cd /root/idempotency && make check-deb'
+		background "$cache/$suite.check-deb.log" in_chroot "$root" 'cd /root/idempotency && make check-deb'
 		if waited; then
 			line+=", check-deb passed"
 		else
@@ -233,7 +192,7 @@ for release in "${picked[@]}"; do
 	fi
 
 	# the version make test picked and installed, the release's default
-	version=$(in_chroot 'for c in /usr/lib/postgresql/*/bin/pg_config; do "$c" --version; done' 2>/dev/null |
+	version=$(in_chroot "$root" 'for c in /usr/lib/postgresql/*/bin/pg_config; do "$c" --version; done' 2>/dev/null |
 		sort -V | tail -n 1 | awk '{ print $2 }')
 	summary+=("PostgreSQL ${version:-$major} ($suite): $line")
 	release_chroot "$root"

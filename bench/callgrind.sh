@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+#
+# bench/callgrind.sh: the instructions and the WAL one call costs, of
+# idem_mark_processed and of its reference (INSERT ... ON CONFLICT DO NOTHING
+# RETURNING into a copy of processed_events), counted by callgrind in a
+# single-user server: a PREPARE, then N EXECUTEs of new keys, for N = 500
+# and 1500; a call costs the difference over 1000.  Unlike make bench's
+# throughput, the count does not depend on the machine's load or on other
+# versions' timing, so it tells whether one server version makes our side
+# dearer than its reference.  Run after make bench or make install (the
+# extension installed in PG_CONFIG's server); as root it installs valgrind
+# when missing.
+#
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+. scripts/common.sh
+use_server
+if ! command -v valgrind >/dev/null; then
+	[ "$(id -u)" -eq 0 ] || { echo "install valgrind" >&2; exit 1; }
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends valgrind >/dev/null
+fi
+
+dir=$(runner_tmpdir callgrind)
+trap 'rm -rf "$dir"' EXIT
+trap 'exit 1' INT TERM HUP
+as_runner "$PGBIN/initdb" -D "$dir/data" -A trust -U postgres --no-sync >/dev/null
+printf "shared_preload_libraries = 'idempotency'\nfsync = off\n" >>"$dir/data/postgresql.conf"
+
+single() {
+	as_runner "$@" "$PGBIN/postgres" --single -D "$dir/data" postgres
+}
+printf '%s\n' "CREATE EXTENSION idempotency;" \
+	"CREATE TABLE bench_events (LIKE idempotency.processed_events INCLUDING ALL);" |
+	single >/dev/null
+
+# statements, one a line, as single-user mode reads them
+calls() {
+	local statement=$1 n=$2
+	echo "PREPARE s(text) AS $statement;"
+	echo "CREATE TEMP TABLE wal AS SELECT pg_current_wal_insert_lsn() AS lsn;"
+	for ((k = 1; k <= n; k++)); do echo "EXECUTE s('$n-$k');"; done
+	echo "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), lsn) AS wal_bytes FROM wal;"
+}
+
+# count LABEL STATEMENT: prints instructions and WAL bytes per call
+count() {
+	local label=$1 statement=$2 n ir=() wal
+	for n in 500 1500; do
+		calls "$statement" $n >"$dir/in"
+		chmod 644 "$dir/in"
+		single valgrind --tool=callgrind --callgrind-out-file="$dir/callgrind.out" \
+			<"$dir/in" >"$dir/out" 2>"$dir/err"
+		ir+=("$(sed -n 's/.*Collected : \([0-9]*\).*/\1/p' "$dir/err")")
+		wal=$(sed -n 's/.*wal_bytes = "\([0-9]*\)".*/\1/p' "$dir/out")
+	done
+	printf '%-44s %8d instructions, %4d WAL bytes a call\n' "$label" \
+		$(((ir[1] - ir[0]) / 1000)) $((wal / 1500))
+}
+
+echo "PostgreSQL $("$PG_CONFIG" --version | awk '{ print $2 }'), callgrind, postgres --single"
+count "idem_mark_processed" "SELECT idempotency.idem_mark_processed('bench', \$1)"
+count "INSERT ... ON CONFLICT DO NOTHING RETURNING" \
+	"INSERT INTO bench_events VALUES ('bench', \$1, now(), now() + interval '14 days') ON CONFLICT DO NOTHING RETURNING true"
