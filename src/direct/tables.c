@@ -238,6 +238,7 @@ idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode)
 	memset(rel, 0, sizeof(IdemRelation));
 	rel->table = table;
 	rel->lockmode = lockmode;
+	rel->mcxt = CurrentMemoryContext;
 	rel->heap = idem_table_open(table, lockmode);
 	/* idem_check_table made sure there is one, and the one expected */
 	rel->pkey = index_open(rel->heap->rd_pkindex, lockmode);
@@ -255,10 +256,12 @@ open_all_indexes(IdemRelation *rel)
 	List	   *index_oids;
 	ListCell   *lc;
 	int			i = 0;
+	MemoryContext oldcontext;
 
 	if (rel->indexes != NULL)
 		return;
 
+	oldcontext = MemoryContextSwitchTo(rel->mcxt);
 	index_oids = RelationGetIndexList(rel->heap);
 	rel->indexes = palloc(sizeof(Relation) * Max(list_length(index_oids), 1));
 	rel->index_info = palloc(sizeof(IndexInfo *) * Max(list_length(index_oids), 1));
@@ -282,6 +285,7 @@ open_all_indexes(IdemRelation *rel)
 					 errhint("Drop the index.")));
 	}
 	list_free(index_oids);
+	MemoryContextSwitchTo(oldcontext);
 }
 
 void
@@ -467,8 +471,11 @@ index_wants_row(IdemRelation *rel, int i, TupleTableSlot *slot)
 		return true;
 	if (rel->estate == NULL)
 	{
+		MemoryContext oldcontext = MemoryContextSwitchTo(rel->mcxt);
+
 		rel->estate = CreateExecutorState();
 		rel->predicates = palloc0(sizeof(ExprState *) * rel->nindexes);
+		MemoryContextSwitchTo(oldcontext);
 	}
 	if (rel->predicates[i] == NULL)
 		rel->predicates[i] = ExecPrepareQual(predicate, rel->estate);

@@ -80,6 +80,12 @@ typedef struct IdemRelation
 	Relation	heap;
 	Relation	pkey;
 	LOCKMODE	lockmode;
+	/*
+	 * The context the relation was opened in, which what is built later for
+	 * it (below) lives in too, so that a caller may reset a shorter-lived one
+	 * between rows.
+	 */
+	MemoryContext mcxt;
 	/* opened by the first write */
 	int			nindexes;
 	Relation   *indexes;

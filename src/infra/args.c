@@ -22,6 +22,13 @@
 #include "infra/args.h"
 #include "infra/guc.h"
 
+/* An argument's name, or an element's: only built for a message. */
+static const char *
+identifier_name(const char *name, const int *subscript)
+{
+	return subscript == NULL ? name : psprintf("%s[%d]", name, *subscript);
+}
+
 /*
  * A key, scope, consumer or event id: not NULL, min_bytes to 255 bytes.
  * Lengths are in bytes, not characters, so that the limit holds in every
@@ -31,27 +38,39 @@ text *
 idem_arg_identifier(FunctionCallInfo fcinfo, int argno, const char *name,
 					int min_bytes)
 {
-	text	   *value;
+	text	   *value = PG_ARGISNULL(argno) ? NULL : PG_GETARG_TEXT_PP(argno);
+
+	idem_check_identifier(value, min_bytes, name, NULL);
+	return value;
+}
+
+/*
+ * The same checks of a value that is NULL or not, an argument's or, when
+ * subscript is given, an element's of an array argument, which messages
+ * call by its subscript ("event_ids[3]").
+ */
+void
+idem_check_identifier(const text *value, int min_bytes, const char *name,
+					  const int *subscript)
+{
 	int			len;
 
-	if (PG_ARGISNULL(argno))
+	if (value == NULL)
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("%s must not be null", name)));
+				 errmsg("%s must not be null", identifier_name(name, subscript))));
 
-	value = PG_GETARG_TEXT_PP(argno);
 	len = VARSIZE_ANY_EXHDR(value);
 	if (len < min_bytes)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("%s must not be empty", name)));
+				 errmsg("%s must not be empty", identifier_name(name, subscript))));
 	if (len > IDEM_MAX_IDENTIFIER_BYTES)
 		ereport(ERROR,
 				(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
-				 errmsg("%s is too long", name),
+				 errmsg("%s is too long", identifier_name(name, subscript)),
 				 errdetail("It is %d bytes long; the limit is %d bytes.",
 						   len, IDEM_MAX_IDENTIFIER_BYTES)));
-	return value;
 }
 
 text *

@@ -26,6 +26,8 @@
 
 extern text *idem_arg_identifier(FunctionCallInfo fcinfo, int argno,
 								 const char *name, int min_bytes);
+extern void idem_check_identifier(const text *value, int min_bytes,
+								  const char *name, const int *subscript);
 extern text *idem_arg_text_or_null(FunctionCallInfo fcinfo, int argno);
 extern Interval *idem_arg_duration(FunctionCallInfo fcinfo, int argno,
 								   const char *name, int64 default_ms);
