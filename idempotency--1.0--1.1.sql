@@ -105,3 +105,29 @@ COMMENT ON FUNCTION idempotency.idem_extend_lease(text, text, integer, interval)
 
 REVOKE ALL ON FUNCTION idempotency.idem_extend_lease(text, text, integer, interval)
 	FROM PUBLIC;
+
+/* ---------------------------------------------------------------------
+ * Consumer deduplication in batches (issue 19, item 1): the ids a broker
+ * hands over in one poll, marked or looked up in one call.
+ * ---------------------------------------------------------------------
+ */
+
+CREATE FUNCTION idempotency.idem_mark_processed_batch(consumer text, event_ids text[],
+													  retention interval DEFAULT NULL)
+RETURNS SETOF text
+AS 'MODULE_PATHNAME', 'idem_mark_processed_batch'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_mark_processed_batch(text, text[], interval) IS
+	'mark a batch of events processed inside the handler''s transaction: returns the ids new to the consumer (process them), in the array''s order, each once';
+
+CREATE FUNCTION idempotency.idem_is_processed_batch(consumer text, event_ids text[])
+RETURNS SETOF text
+AS 'MODULE_PATHNAME', 'idem_is_processed_batch'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL SAFE;
+
+COMMENT ON FUNCTION idempotency.idem_is_processed_batch(text, text[]) IS
+	'which of these events has this consumer processed (committed marks within their retention)?  The ids, in the array''s order, each once.  Only looks';
+
+REVOKE ALL ON FUNCTION idempotency.idem_mark_processed_batch(text, text[], interval) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idempotency.idem_is_processed_batch(text, text[]) FROM PUBLIC;
