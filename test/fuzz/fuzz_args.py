@@ -264,6 +264,26 @@ def hostile_id_arrays():
             "(SELECT array_agg(id ORDER BY id DESC) FROM idempotency.outbox WHERE state = 'leased')"]
 
 
+def hostile_name_arrays():
+    """text[] of event ids: empty, NULL elements, several dimensions, lower
+    bounds other than 1, elements at and past the 255-byte limit, the same
+    id many times, odd characters, a hundred thousand elements (a bad one
+    last)."""
+    odd = ", ".join(lit(c) for c in ("\x01", "\x7f", "\u00a0", "\ufeff", "\uffff",
+                                     "\U0010ffff", "e\u0301", "%s%n", "'", "\\"))
+    return ["NULL", "'{}'", "'{NULL}'", "'{\"\"}'", "'{a,NULL}'", "'{a,\"\"}'", "'{a,a,a}'",
+            "'{{a,b},{c,d}}'", "'{{{{{{a}}}}}}'", "'[0:2]={a,b,c}'", "'[-5:-4]={a,\"\"}'",
+            "ARRAY[repeat('x', 255), repeat('y', 255)]", "ARRAY['a', repeat('x', 256)]",
+            f"ARRAY['a', repeat({lit(EURO)}, 86)]", f"ARRAY[repeat({lit(E_ACUTE)}, 127) || 'x']",
+            f"ARRAY[{odd}]", "array_fill('same'::text, ARRAY[10000])",
+            "array_fill(NULL::text, ARRAY[1000])", "array_fill('x'::text, ARRAY[0])",
+            "array_fill('x'::text, ARRAY[2, 3])",
+            "array(SELECT 'fz-' || g FROM generate_series(1, 100000) AS g)",
+            "array(SELECT 'fz-' || g FROM generate_series(100000, 1, -1) AS g) || NULL::text",
+            "array(SELECT event_id FROM idempotency.processed_events)",
+            "ARRAY['event-1', 'old-1', 'event-1', 'nonexistent']"]
+
+
 def hostile_settings():
     """(setting, value) pairs for set_config(setting, value, true): the
     extension's settings at and past their limits (the outbox ones are the
@@ -307,6 +327,13 @@ def valid_text(fz, chosen):
 
 def valid_name(fz, chosen):
     return fz.rng.choice(["'c1'", "'c2'", "'event-1'", "'seed'", lit(f"e{fz.counter()}")])
+
+
+def valid_names(fz, chosen):
+    # processed events of setup.sql, expired ones, new ones, repeated
+    return "ARRAY[%s]" % ", ".join(fz.rng.choice(["'event-1'", "'event-2'", "'old-1'", "'c1'",
+                                                  lit(f"e{fz.counter()}")])
+                                   for _ in range(fz.rng.randint(1, 4)))
 
 
 def valid_topic(fz, chosen):
@@ -376,6 +403,7 @@ KINDS = {
     "key": Kind("text", hostile_strings, valid_key),
     "text": Kind("text", hostile_strings, valid_text),
     "name": Kind("text", hostile_strings, valid_name),
+    "names": Kind("text[]", hostile_name_arrays, valid_names),
     "topic": Kind("text", hostile_strings, valid_topic),
     "outbox_key": Kind("text", hostile_strings, valid_outbox_key),
     "interval": Kind("interval", None, valid_interval),  # hostile: needs the server version
@@ -419,6 +447,9 @@ FUNCTIONS = [
     Fn("idem_mark_processed", [("consumer", "name"), ("event_id", "name"),
                                ("retention", "interval")], set()),
     Fn("idem_is_processed", [("consumer", "name"), ("event_id", "name")], set()),
+    Fn("idem_mark_processed_batch", [("consumer", "name"), ("event_ids", "names"),
+                                     ("retention", "interval")], {"from"}),
+    Fn("idem_is_processed_batch", [("consumer", "name"), ("event_ids", "names")], {"from"}),
     Fn("idem_outbox_enqueue", [("topic", "topic"), ("payload", "jsonb"), ("key", "outbox_key"),
                                ("headers", "headers")], set()),
     Fn("idem_outbox_route", [("topic", "topic"), ("target", "target"),
@@ -859,8 +890,9 @@ class Fuzzer:
             attempt = self.rng.choice(hostile_attempts())
         op = self.rng.choices(
             ["claim", "complete", "release", "checkpoint", "extend", "takeover", "mark",
-             "is_processed", "enqueue", "fetch", "ack", "nack", "dead", "maintenance", "stats"],
-            [25, 14, 8, 8, 4, 8, 8, 4, 8, 6, 4, 4, 2, 2, 1])[0]
+             "is_processed", "mark_batch", "is_processed_batch",
+             "enqueue", "fetch", "ack", "nack", "dead", "maintenance", "stats"],
+            [25, 14, 8, 8, 4, 8, 8, 4, 6, 2, 8, 6, 4, 4, 2, 2, 1])[0]
         if op == "takeover" and s.in_tx:
             op = "claim"  # a takeover needs a committed claim to take over
         ev = lit("e" + k[1:])  # events named after the key
@@ -891,6 +923,17 @@ class Fuzzer:
             return f"SELECT idempotency.idem_mark_processed('race', {ev}, {retention})", True, "mark"
         if op == "is_processed":
             return f"SELECT idempotency.idem_is_processed('race', {ev})", True, "is_processed"
+        if op in ("mark_batch", "is_processed_batch"):
+            # some of the round's events, in any order: batches that overlap
+            # in different orders, and with the single marks
+            evs = ", ".join(lit(f"e{n[1:]}-{self.race_rounds}") for n in
+                            self.rng.sample(self.RACE_KEYS, self.rng.randint(1, len(self.RACE_KEYS))))
+            if op == "is_processed_batch":
+                return (f"SELECT * FROM idempotency.idem_is_processed_batch('race', ARRAY[{evs}])",
+                        True, op)
+            retention = self.rng.choice(["NULL", "'10 ms'", "'1 day'"])
+            return (f"SELECT * FROM idempotency.idem_mark_processed_batch('race', ARRAY[{evs}], {retention})",
+                    True, op)
         if op == "enqueue":
             okey = self.rng.choice(["NULL", "'a'", "'b'"])
             return (f"SELECT idempotency.idem_outbox_enqueue('race-t', '{{\"n\": {self.counter()}}}', {okey})",

@@ -40,6 +40,14 @@ CREATE VIEW fuzz.marks AS
 	SELECT e.event_id, idempotency.idem_mark_processed(e.consumer, e.event_id) AS first,
 	       idempotency.idem_is_processed(e.consumer, e.event_id) AS seen
 	FROM idempotency.processed_events AS e;
+CREATE VIEW fuzz.batch_marks AS
+	SELECT c.consumer, m.event_id
+	FROM (SELECT consumer, array_agg(event_id ORDER BY event_id DESC) AS ids
+	      FROM idempotency.processed_events GROUP BY consumer) AS c,
+	     LATERAL idempotency.idem_mark_processed_batch(c.consumer, c.ids || ARRAY['smith-new']) AS m (event_id);
+CREATE VIEW fuzz.batch_looks AS
+	SELECT * FROM idempotency.idem_is_processed_batch('seed', ARRAY['event-1', 'old-1', 'smith', 'event-2'])
+		AS l (event_id);
 CREATE VIEW fuzz.fetched AS
 	SELECT * FROM idempotency.idem_outbox_fetch('seed-pending', 5, '1 min');
 CREATE VIEW fuzz.enqueued AS
