@@ -51,6 +51,7 @@
 #include "utils/builtins.h"
 #include "utils/datum.h"
 #include "utils/guc.h"
+#include "utils/hsearch.h"
 #include "utils/jsonb.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
@@ -85,6 +86,9 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
  * (objsubid).  A hash collision only makes two keys share a lock.
  */
 #define OUTBOX_KEY_LOCK_CLASS	0x4944
+
+/* How many rows enqueue_batch writes to the heap in one go, as COPY does. */
+#define ENQUEUE_CHUNK			1000
 
 /* The longest NOTIFY channel or logical message prefix we accept. */
 #define ROUTE_NAME_MAX_BYTES	(NAMEDATALEN - 1)
@@ -217,19 +221,16 @@ check_headers(Jsonb *headers)
 }
 
 /*
- * Write one pending row, with the next id, straight into the table and its
- * indexes, as the key functions write theirs (see tables.c): no executor,
- * no SPI.  The caller holds its key's lock.
+ * A new pending row, with the next id, into values and nulls; returns the
+ * id.  The caller holds its key's lock.
  */
 static int64
-enqueue_row(IdemRelation *rel, text *topic, text *key, Datum payload,
-			Jsonb *headers, TimestampTz now)
+make_pending_row(Datum *values, bool *nulls, text *topic, text *key, Datum payload,
+				 Jsonb *headers, TimestampTz now)
 {
-	Datum		values[Natts_outbox];
-	bool		nulls[Natts_outbox];
 	int64		id = idem_outbox_next_id();
 
-	memset(nulls, false, sizeof(nulls));
+	memset(nulls, false, sizeof(bool) * Natts_outbox);
 	values[Anum_outbox_id - 1] = Int64GetDatum(id);
 	values[Anum_outbox_topic - 1] = PointerGetDatum(topic);
 	values[Anum_outbox_key - 1] = PointerGetDatum(key);
@@ -243,8 +244,6 @@ enqueue_row(IdemRelation *rel, text *topic, text *key, Datum payload,
 	values[Anum_outbox_available_at - 1] = TimestampTzGetDatum(now);
 	nulls[Anum_outbox_last_error - 1] = true;
 	nulls[Anum_outbox_published_at - 1] = true;
-
-	idem_insert(rel, values, nulls);
 	return id;
 }
 
@@ -258,6 +257,8 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 	text	   *key = PG_ARGISNULL(2) ? NULL : idem_arg_identifier(fcinfo, 2, "key", 1);
 	Jsonb	   *headers = PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3);
 	IdemRelation rel;
+	Datum		values[Natts_outbox];
+	bool		nulls[Natts_outbox];
 	int64		id;
 
 	check_topic(topic);
@@ -269,11 +270,17 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 
 	idem_require_writable("idem_outbox_enqueue()");
 
+	/*
+	 * A new row is written straight into the table and its indexes, as the
+	 * key functions write theirs (see tables.c): no executor, no SPI.
+	 */
 	idem_relation_open(&rel, IDEM_TABLE_OUTBOX, RowExclusiveLock);
 	/* before the row gets its id: see the top of this file */
 	if (key != NULL)
 		lock_outbox_key(outbox_key_hash(topic, key));
-	id = enqueue_row(&rel, topic, key, PG_GETARG_DATUM(1), headers, GetCurrentTimestamp());
+	id = make_pending_row(values, nulls, topic, key, PG_GETARG_DATUM(1), headers,
+						  GetCurrentTimestamp());
+	idem_insert(&rel, values, nulls);
 	idem_relation_close(&rel);
 	if (topic_is_routed(topic))
 		idem_wake_worker_at_commit();
@@ -345,6 +352,8 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 	int			nhashes = 0;
 	IdemRelation rel;
 	TimestampTz now = GetCurrentTimestamp();
+	Datum	  **row_values;
+	bool	  **row_nulls;
 
 	check_topic(topic);
 	if (PG_ARGISNULL(1))
@@ -401,15 +410,31 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 	for (int i = 0; i < nhashes; i++)
 		if (i == 0 || hashes[i] != hashes[i - 1])
 			lock_outbox_key(hashes[i]);
-	for (int i = 0; i < count; i++)
+	/* the rows, ENQUEUE_CHUNK at a time, each chunk's heap rows in one go */
+	row_values = palloc(sizeof(Datum *) * Min(count, ENQUEUE_CHUNK));
+	row_nulls = palloc(sizeof(bool *) * Min(count, ENQUEUE_CHUNK));
+	for (int i = 0; i < Min(count, ENQUEUE_CHUNK); i++)
 	{
-		text	   *key = keys != NULL && !key_nulls[i] ? DatumGetTextPP(keys[i]) : NULL;
-		Jsonb	   *header = headers != NULL && !header_nulls[i] ?
-			DatumGetJsonbP(headers[i]) : NULL;
-		Datum		id = Int64GetDatum(enqueue_row(&rel, topic, key, payloads[i], header, now));
-		bool		isnull = false;
+		row_values[i] = palloc(sizeof(Datum) * Natts_outbox);
+		row_nulls[i] = palloc(sizeof(bool) * Natts_outbox);
+	}
+	for (int first = 0; first < count; first += ENQUEUE_CHUNK)
+	{
+		int			nrows = Min(count - first, ENQUEUE_CHUNK);
 
-		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, &id, &isnull);
+		for (int r = 0; r < nrows; r++)
+		{
+			int			i = first + r;
+			text	   *key = keys != NULL && !key_nulls[i] ? DatumGetTextPP(keys[i]) : NULL;
+			Jsonb	   *header = headers != NULL && !header_nulls[i] ?
+				DatumGetJsonbP(headers[i]) : NULL;
+			Datum		id = Int64GetDatum(make_pending_row(row_values[r], row_nulls[r], topic,
+															key, payloads[i], header, now));
+			bool		isnull = false;
+
+			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, &id, &isnull);
+		}
+		idem_insert_many(&rel, row_values, row_nulls, nrows);
 	}
 	idem_relation_close(&rel);
 	if (topic_is_routed(topic))
@@ -564,7 +589,8 @@ typedef struct HandOut
 {
 	Datum	   *ids;
 	int			count;
-	int			limit;
+	int			capacity;		/* of ids: what was found so far */
+	int			limit;			/* the batch */
 } HandOut;
 
 /*
@@ -583,6 +609,11 @@ add_followers(HandOut *handout, Datum *params, int64 head_id, Datum key, int per
 	params[FETCH_KEY] = key;
 	params[FETCH_AFTER_ID] = Int64GetDatum(head_id);
 	found = outbox_sql_run(STMT_FETCH_FOLLOWERS, params, NULL);
+	if (handout->count + (int) found > handout->capacity)
+	{
+		handout->capacity = Max(handout->capacity * 2, handout->count + (int) found);
+		handout->ids = repalloc(handout->ids, sizeof(Datum) * handout->capacity);
+	}
 	for (uint64 i = 0; i < found; i++)
 	{
 		bool		isnull;
@@ -594,6 +625,177 @@ add_followers(HandOut *handout, Datum *params, int64 head_id, Datum key, int per
 			SPI_getbinval(row, SPI_tuptable->tupdesc, FOLLOWER_ID, &isnull);
 	}
 	SPI_freetuptable(SPI_tuptable);
+}
+
+/* The heads a fetch locked, in id order. */
+typedef struct Heads
+{
+	int64	   *ids;
+	Datum	   *keys;			/* when follows */
+	bool	   *follows;		/* may rows of its key follow it? */
+	uint64		count;
+	uint64		capacity;
+} Heads;
+
+/*
+ * Lock the ready heads among the candidates ($8) and add them to heads, up
+ * to limit; returns how many there are now.
+ */
+static uint64
+lock_heads(Datum *params, char *nulls, int64 *candidates, int ncandidates,
+		   int per_key, uint64 limit, Heads *heads)
+{
+	Datum	   *ids = palloc(sizeof(Datum) * ncandidates);
+	uint64		locked;
+
+	for (int i = 0; i < ncandidates; i++)
+		ids[i] = Int64GetDatum(candidates[i]);
+	params[FETCH_IDS] = PointerGetDatum(construct_array(ids, ncandidates, INT8OID,
+														sizeof(int64), FLOAT8PASSBYVAL,
+														TYPALIGN_DOUBLE));
+	nulls[FETCH_IDS] = ' ';
+	locked = outbox_sql_run(STMT_FETCH_HEADS, params, nulls);
+	nulls[FETCH_IDS] = 'n';
+	if (heads->count + locked > heads->capacity)
+	{
+		heads->capacity = Max(heads->capacity * 2, heads->count + locked);
+		heads->ids = repalloc(heads->ids, sizeof(int64) * heads->capacity);
+		heads->keys = repalloc(heads->keys, sizeof(Datum) * heads->capacity);
+		heads->follows = repalloc(heads->follows, sizeof(bool) * heads->capacity);
+	}
+	for (uint64 i = 0; i < locked && heads->count < limit; i++)
+	{
+		HeapTuple	row = SPI_tuptable->vals[i];
+		TupleDesc	desc = SPI_tuptable->tupdesc;
+		bool		key_null;
+		bool		isnull;
+		Datum		key = SPI_getbinval(row, desc, HEAD_KEY, &key_null);
+		bool		exhausted = DatumGetBool(SPI_getbinval(row, desc, HEAD_EXHAUSTED, &isnull));
+		uint64		n = heads->count++;
+
+		heads->ids[n] = DatumGetInt64(SPI_getbinval(row, desc, HEAD_ID, &isnull));
+		/* a head that dies now holds its key back: nothing follows it */
+		heads->follows[n] = per_key > 1 && !key_null && !exhausted;
+		heads->keys[n] = heads->follows[n] ? datumCopy(key, false, -1) : (Datum) 0;
+	}
+	SPI_freetuptable(SPI_tuptable);
+	pfree(ids);
+	return heads->count;
+}
+
+/*
+ * The ready heads of the topic's keys, oldest first, up to batch of them,
+ * locked (see STMT_FETCH_SCAN): the topic's unpublished rows are walked in
+ * id order, and a row is a head if it is ready, and either has no key or is
+ * the first row of its key met.  The candidates are locked a chunk at a
+ * time, skipping those another relay is taking; the walk goes on until the
+ * batch is full or the rows run out.
+ */
+static uint64
+find_heads(Datum *params, char *nulls, int32 batch, int per_key, Heads *heads)
+{
+	Portal		portal;
+	HTAB	   *seen = NULL;
+	int64	   *candidates = NULL;
+	int			ncandidates;
+
+	heads->count = 0;
+	heads->capacity = 16;
+	heads->ids = palloc(sizeof(int64) * heads->capacity);
+	heads->keys = palloc(sizeof(Datum) * heads->capacity);
+	heads->follows = palloc(sizeof(bool) * heads->capacity);
+
+	portal = SPI_cursor_open(NULL, outbox_plan(STMT_FETCH_SCAN), params, nulls, false);
+	while (heads->count < (uint64) batch)
+	{
+		/* a chunk: as many rows as heads are still wanted, within reason */
+		long		chunk = Max(Min((long) batch - (long) heads->count, 1000L), 16L);
+		uint64		nrows;
+		int64	   *ids;
+		char	  **keys;
+		bool	   *ready;
+		uint64		pos = 0;
+
+		SPI_cursor_fetch(portal, true, chunk);
+		nrows = SPI_processed;
+		if (nrows == 0)
+			break;
+
+		/* copied out: locking the candidates replaces SPI_tuptable */
+		ids = palloc(sizeof(int64) * nrows);
+		keys = palloc(sizeof(char *) * nrows);
+		ready = palloc(sizeof(bool) * nrows);
+		for (uint64 i = 0; i < nrows; i++)
+		{
+			HeapTuple	row = SPI_tuptable->vals[i];
+			TupleDesc	desc = SPI_tuptable->tupdesc;
+			bool		key_null;
+			bool		isnull;
+			Datum		key = SPI_getbinval(row, desc, SCAN_KEY, &key_null);
+
+			ids[i] = DatumGetInt64(SPI_getbinval(row, desc, SCAN_ID, &isnull));
+			ready[i] = DatumGetBool(SPI_getbinval(row, desc, SCAN_READY, &isnull));
+			keys[i] = NULL;
+			if (!key_null)
+			{
+				text	   *k = DatumGetTextPP(key);
+				int			len = Min(VARSIZE_ANY_EXHDR(k), IDEM_MAX_IDENTIFIER_BYTES);
+
+				keys[i] = palloc0(IDEM_MAX_IDENTIFIER_BYTES + 1);
+				memcpy(keys[i], VARDATA_ANY(k), len);
+			}
+		}
+		SPI_freetuptable(SPI_tuptable);
+		if (candidates == NULL)
+			candidates = palloc(sizeof(int64) * 1000);
+
+		/*
+		 * No more candidates at a time than heads are still wanted: a
+		 * candidate is locked, and one locked but not handed out would stay
+		 * locked, out of other relays' reach, until our transaction ends.
+		 */
+		while (pos < nrows && heads->count < (uint64) batch)
+		{
+			uint64		wanted = (uint64) batch - heads->count;
+
+			ncandidates = 0;
+			for (; pos < nrows && (uint64) ncandidates < wanted; pos++)
+			{
+				if (keys[pos] != NULL)
+				{
+					bool		found;
+
+					if (seen == NULL)
+					{
+						HASHCTL		ctl;
+
+						ctl.keysize = IDEM_MAX_IDENTIFIER_BYTES + 1;
+						ctl.entrysize = IDEM_MAX_IDENTIFIER_BYTES + 1;
+						ctl.hcxt = CurrentMemoryContext;
+						seen = hash_create("idempotency outbox keys seen", 1024, &ctl,
+										   HASH_ELEM | HASH_STRINGS | HASH_CONTEXT);
+					}
+					(void) hash_search(seen, keys[pos], HASH_ENTER, &found);
+					if (found)
+						continue;	/* an earlier row of its key is unpublished */
+				}
+				if (ready[pos])
+					candidates[ncandidates++] = ids[pos];
+			}
+			if (ncandidates > 0)
+				(void) lock_heads(params, nulls, candidates, ncandidates, per_key, batch, heads);
+		}
+		for (uint64 i = 0; i < nrows; i++)
+			if (keys[i] != NULL)
+				pfree(keys[i]);
+		pfree(ids);
+		pfree(keys);
+		pfree(ready);
+	}
+	SPI_cursor_close(portal);
+	if (seen != NULL)
+		hash_destroy(seen);
+	return heads->count;
 }
 
 /*
@@ -619,10 +821,8 @@ idem_outbox_fetch(PG_FUNCTION_ARGS)
 	char		nulls[FETCH_NPARAMS];
 	OutboxSqlContext context;
 	HandOut		handout;
+	Heads		heads;
 	uint64		nheads;
-	int64	   *head_ids;
-	Datum	   *head_keys;
-	bool	   *head_follows;
 	uint64		fetched;
 
 	if (PG_ARGISNULL(1))
@@ -671,36 +871,20 @@ idem_outbox_fetch(PG_FUNCTION_ARGS)
 	outbox_sql_begin(&context);
 
 	/* the heads, copied out before the followers' statements run */
-	nheads = outbox_sql_run(STMT_FETCH_HEADS, params, nulls);
-	head_ids = palloc(sizeof(int64) * Max(nheads, 1));
-	head_keys = palloc(sizeof(Datum) * Max(nheads, 1));
-	head_follows = palloc(sizeof(bool) * Max(nheads, 1));
-	handout.ids = palloc(sizeof(Datum) * batch);
+	nheads = find_heads(params, nulls, batch, per_key, &heads);
+	handout.capacity = Max((int) nheads, 1);
+	handout.ids = palloc(sizeof(Datum) * handout.capacity);
 	handout.count = 0;
 	handout.limit = batch;
 	for (uint64 i = 0; i < nheads; i++)
-	{
-		HeapTuple	row = SPI_tuptable->vals[i];
-		TupleDesc	desc = SPI_tuptable->tupdesc;
-		bool		key_null;
-		bool		isnull;
-		Datum		key = SPI_getbinval(row, desc, HEAD_KEY, &key_null);
-		bool		exhausted = DatumGetBool(SPI_getbinval(row, desc, HEAD_EXHAUSTED, &isnull));
-
-		head_ids[i] = DatumGetInt64(SPI_getbinval(row, desc, HEAD_ID, &isnull));
-		/* a head that dies now holds its key back: nothing follows it */
-		head_follows[i] = per_key > 1 && !key_null && !exhausted;
-		head_keys[i] = head_follows[i] ? datumCopy(key, false, -1) : (Datum) 0;
-		handout.ids[handout.count++] = Int64GetDatum(head_ids[i]);
-	}
-	SPI_freetuptable(SPI_tuptable);
+		handout.ids[handout.count++] = Int64GetDatum(heads.ids[i]);
 
 	if (per_key > 1)
 	{
 		nulls[FETCH_KEY] = ' ';
 		for (uint64 i = 0; i < nheads && handout.count < handout.limit; i++)
-			if (head_follows[i])
-				add_followers(&handout, params, head_ids[i], head_keys[i], per_key);
+			if (heads.follows[i])
+				add_followers(&handout, params, heads.ids[i], heads.keys[i], per_key);
 	}
 
 	if (handout.count > 0)

@@ -165,25 +165,38 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * plan): what they read is bounded by their parameters (a batch, a key,
 	 * a list of ids), not by how large the outbox is, and a plan made for
 	 * each call cost more than the rest of the call.  They share one list of
-	 * parameters (OutboxFetchParam), each using those it needs.
+	 * parameters (FETCH_* in outbox_sql.h), each using those it needs.
 	 *
-	 * The heads of a topic: ready rows (pending, or leased with the lease run
-	 * out) that no earlier unpublished row of their key holds back, oldest
-	 * first, skipping rows another relay is taking right now.  Rows without a
-	 * key need no look at their neighbours.  state and published_at say the
-	 * same of every row; both are named so that the partial indexes of 1.0
-	 * (on state) and of 1.1 (on published_at) both serve.
+	 * The heads of a topic, in two steps.  First its unpublished rows,
+	 * oldest first, read without a lock through a cursor: the caller walks
+	 * them in id order, so it meets every earlier unpublished row of a key
+	 * (pending, leased, dead) before the key's later rows, and knows a
+	 * key's head as the first row of the key it meets, without a look into
+	 * the key's index per row.  state and published_at say the same of
+	 * every row; both are named so that the partial indexes of 1.0 (on
+	 * state) and of 1.1 (on published_at) both serve.
+	 */
+	[STMT_FETCH_SCAN] = {
+		"SELECT o.id, o.key, o.state IN ('pending', 'leased') AND o.available_at <= $4 AS ready"
+		" FROM idempotency.outbox o"
+		" WHERE " ONE_TOPIC("$1") " AND o.state <> 'published' AND o.published_at IS NULL"
+		" ORDER BY o.topic, o.id",
+		FETCH_NARGS, FETCH_ARGTYPES
+	},
+
+	/*
+	 * Then the ready heads among them ($8), locked, skipping rows another
+	 * relay is taking right now.  A head stays the head of its key: an
+	 * earlier row of a key is never inserted later (enqueuers of a key are
+	 * serialised before their rows get ids), nor is a published row ever
+	 * unpublished again.
 	 */
 	[STMT_FETCH_HEADS] = {
 		"SELECT o.id, o.key, o.state = 'leased' AND o.attempts >= $5 AS exhausted"
 		" FROM idempotency.outbox o"
-		" WHERE " ONE_TOPIC("$1") " AND o.state IN ('pending', 'leased')"
+		" WHERE o.id = ANY ($8) AND o.state IN ('pending', 'leased')"
 		"   AND o.published_at IS NULL AND o.available_at <= $4"
-		"   AND (o.key IS NULL OR NOT EXISTS ("
-		"        SELECT FROM idempotency.outbox earlier"
-		"        WHERE earlier.topic = o.topic AND earlier.key = o.key AND earlier.id < o.id"
-		"          AND earlier.state <> 'published' AND earlier.published_at IS NULL))"
-		" ORDER BY o.topic, o.id LIMIT $2"
+		" ORDER BY o.id"
 		" FOR UPDATE OF o SKIP LOCKED",
 		FETCH_NARGS, FETCH_ARGTYPES
 	},

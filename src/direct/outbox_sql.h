@@ -14,6 +14,7 @@
 
 typedef enum OutboxStatement
 {
+	STMT_FETCH_SCAN,
 	STMT_FETCH_HEADS,
 	STMT_FETCH_FOLLOWERS,
 	STMT_FETCH_LEASE,
@@ -49,6 +50,13 @@ enum
 	FETCH_AFTER_ID,
 	FETCH_IDS,
 	FETCH_NPARAMS
+};
+
+enum
+{
+	SCAN_ID = 1,
+	SCAN_KEY,
+	SCAN_READY
 };
 
 enum
