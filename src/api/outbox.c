@@ -798,6 +798,25 @@ find_heads(Datum *params, char *nulls, int32 batch, int per_key, Heads *heads)
 	return heads->count;
 }
 
+/* A count argument: not NULL, and positive. */
+static int32
+positive_count(FunctionCallInfo fcinfo, int argno, const char *name)
+{
+	int32		value;
+
+	if (PG_ARGISNULL(argno))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("%s must not be null", name)));
+	value = PG_GETARG_INT32(argno);
+	if (value <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be positive", name),
+				 errdetail("The value given was %d.", value)));
+	return value;
+}
+
 /*
  * idem_outbox_fetch(topic, batch, lease, per_key) -> SETOF idempotency.outbox
  *
@@ -825,34 +844,15 @@ idem_outbox_fetch(PG_FUNCTION_ARGS)
 	uint64		nheads;
 	uint64		fetched;
 
-	if (PG_ARGISNULL(1))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("batch must not be null")));
-	batch = PG_GETARG_INT32(1);
-	if (batch <= 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("batch must be positive"),
-				 errdetail("The value given was %d.", batch)));
+	batch = positive_count(fcinfo, 1, "batch");
 	if (PG_ARGISNULL(2))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("lease must not be null")));
 	lease = idem_arg_duration(fcinfo, 2, "lease", 0);
+	/* the 1.0 signature has no per_key */
 	if (PG_NARGS() > 3)
-	{
-		if (PG_ARGISNULL(3))
-			ereport(ERROR,
-					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-					 errmsg("per_key must not be null")));
-		per_key = PG_GETARG_INT32(3);
-		if (per_key <= 0)
-			ereport(ERROR,
-					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-					 errmsg("per_key must be positive"),
-					 errdetail("The value given was %d.", per_key)));
-	}
+		per_key = positive_count(fcinfo, 3, "per_key");
 
 	idem_require_writable("idem_outbox_fetch()");
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
