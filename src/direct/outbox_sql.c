@@ -101,34 +101,21 @@
 	{TEXTOID, INT4OID, INTERVALOID, TIMESTAMPTZOID, INT4OID, TEXTOID, INT8OID, INT8ARRAYOID}
 
 /*
- * The rows of $1 an acknowledgement takes (taken): leased (and, fenced,
- * still under the hand-out whose attempts $3 gives for each), and ahead of
- * the first unpublished row of their key that is not taken too (its
- * blocker).  The blocker is looked for once per key, from the key's oldest
- * unpublished row on: a hand-out's rows of a key are its oldest, so that
- * look passes the rows taken and stops at the first other one, rather than
- * each row looking back over all the rows taken before it.
+ * The rows of $1 an acknowledgement takes: leased (and, fenced, still under
+ * the hand-out whose attempts $3 gives for each), with no earlier
+ * unpublished row of their key that is not taken too.  An earlier row that
+ * is taken but is itself held back holds back the later ones through the
+ * same test, since whatever holds it back is earlier than them as well.
  */
 #define ACK_FENCE(alias) \
 	" AND " alias ".attempts = ($3)[array_position($1, " alias ".id)]"
-#define ACK_TAKEN(fence) \
-	"WITH taken AS (" \
-	"  SELECT o.id, o.topic, o.key FROM idempotency.outbox o" \
-	"  WHERE o.id = ANY ($1) AND o.state = 'leased'" fence("o") \
-	"), blocker AS (" \
-	"  SELECT k.topic, k.key," \
-	"         (SELECT e.id FROM idempotency.outbox e" \
-	"          WHERE e.topic = k.topic AND e.key = k.key" \
-	"            AND e.state <> 'published' AND e.published_at IS NULL" \
-	"            AND NOT coalesce(e.id = ANY ($1) AND e.state = 'leased'" fence("e") ", false)" \
-	"          ORDER BY e.id LIMIT 1) AS id" \
-	"  FROM (SELECT DISTINCT topic, key FROM taken WHERE key IS NOT NULL) k" \
-	")"
-#define ACK_FROM \
-	" taken t LEFT JOIN blocker b ON b.topic = t.topic AND b.key = t.key"
-#define ACK_USING " USING" ACK_FROM
-#define ACK_WHERE \
-	" o.id = t.id AND (b.id IS NULL OR t.id < b.id)"
+#define ACK_WHERE(fence) \
+	"o.id = ANY ($1) AND o.state = 'leased'" fence("o") \
+	" AND (o.key IS NULL OR NOT EXISTS (" \
+	"      SELECT FROM idempotency.outbox e" \
+	"      WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
+	"        AND e.state <> 'published' AND e.published_at IS NULL" \
+	"        AND NOT coalesce(e.id = ANY ($1) AND e.state = 'leased'" fence("e") ", false)))"
 #define NO_FENCE(alias) ""
 
 /*
@@ -262,21 +249,21 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * acknowledged with it.
 	 */
 	[STMT_ACK_DELETE] = {
-		ACK_TAKEN(NO_FENCE) " DELETE FROM idempotency.outbox o" ACK_USING " WHERE" ACK_WHERE,
+		"DELETE FROM idempotency.outbox o WHERE " ACK_WHERE(NO_FENCE),
 		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
 	},
 	[STMT_ACK_KEEP] = {
-		ACK_TAKEN(NO_FENCE) " UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
-		" FROM" ACK_FROM " WHERE" ACK_WHERE,
+		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
+		" WHERE " ACK_WHERE(NO_FENCE),
 		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
 	},
 	[STMT_ACK_FENCED_DELETE] = {
-		ACK_TAKEN(ACK_FENCE) " DELETE FROM idempotency.outbox o" ACK_USING " WHERE" ACK_WHERE,
+		"DELETE FROM idempotency.outbox o WHERE " ACK_WHERE(ACK_FENCE),
 		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
 	},
 	[STMT_ACK_FENCED_KEEP] = {
-		ACK_TAKEN(ACK_FENCE) " UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
-		" FROM" ACK_FROM " WHERE" ACK_WHERE,
+		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
+		" WHERE " ACK_WHERE(ACK_FENCE),
 		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
 	},
 
