@@ -85,7 +85,6 @@ LANGUAGE C STRICT;
 SELECT idempotency._carry_grants(
 	'idempotency.idem_claim(text, text, text, interval, interval)',
 	'idempotency.idem_claim(text, text, text, interval, interval, interval)');
-DROP FUNCTION idempotency._carry_grants(regprocedure, regprocedure);
 
 DROP FUNCTION idempotency.idem_claim(text, text, text, interval, interval);
 
@@ -131,3 +130,91 @@ COMMENT ON FUNCTION idempotency.idem_is_processed_batch(text, text[]) IS
 
 REVOKE ALL ON FUNCTION idempotency.idem_mark_processed_batch(text, text[], interval) FROM PUBLIC;
 REVOKE ALL ON FUNCTION idempotency.idem_is_processed_batch(text, text[]) FROM PUBLIC;
+
+/* ---------------------------------------------------------------------
+ * Outbox (issue 19, items 2-4): batch enqueue, per-key batched fetch,
+ * fenced acknowledgements, and a pull path whose hand-out is a HOT update.
+ * ---------------------------------------------------------------------
+ */
+
+/*
+ * A hand-out changes state, attempts, available_at and last_error.  In 1.0
+ * three indexes named state in their predicates, so that every hand-out
+ * wrote a new entry into each index (a row went out as a non-HOT update),
+ * and a relay's next scan waded through the entries the last one left.
+ * From 1.1 the partial indexes are told by published_at, which only
+ * publishing sets: leasing, nacking and requeueing change no indexed
+ * column, and with the room fillfactor leaves on each page they are HOT
+ * updates.  The per-key order index holds rows with a key only: a row
+ * without one never waits for another.  The statements name both
+ * predicates (state and published_at, which agree on every row), so that
+ * the planner uses the indexes of a database at 1.0 and at 1.1 alike.
+ */
+DROP INDEX idempotency.outbox_ready;
+CREATE INDEX outbox_ready ON idempotency.outbox (topic, id)
+	WHERE published_at IS NULL;
+DROP INDEX idempotency.outbox_key_order;
+CREATE INDEX outbox_key_order ON idempotency.outbox (topic, key, id)
+	WHERE published_at IS NULL AND key IS NOT NULL;
+DROP INDEX idempotency.outbox_published;
+CREATE INDEX outbox_published ON idempotency.outbox (published_at)
+	WHERE published_at IS NOT NULL;
+ALTER TABLE idempotency.outbox SET (fillfactor = 80);
+
+CREATE FUNCTION idempotency.idem_outbox_enqueue_batch(topic text, payloads jsonb[],
+													  keys text[] DEFAULT NULL,
+													  headers jsonb[] DEFAULT NULL)
+RETURNS SETOF bigint
+AS 'MODULE_PATHNAME', 'idem_outbox_enqueue_batch'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE ROWS 100;
+
+COMMENT ON FUNCTION idempotency.idem_outbox_enqueue_batch(text, jsonb[], text[], jsonb[]) IS
+	'enqueue several events of a topic in one call, inside the business transaction: their ids in array order; rows of one key keep the array''s order';
+
+/*
+ * idem_outbox_fetch gains per_key.  As for idem_claim, the longer argument
+ * list is a new function: the roles that could execute the 1.0 one get
+ * EXECUTE on it (through _carry_grants, as for idem_claim), and the 1.0 one
+ * is dropped, since two overloads would make every existing call ambiguous.
+ */
+CREATE FUNCTION idempotency.idem_outbox_fetch(topic text, batch integer DEFAULT 100,
+											  lease interval DEFAULT '30s',
+											  per_key integer DEFAULT 1)
+RETURNS SETOF idempotency.outbox
+AS 'MODULE_PATHNAME', 'idem_outbox_fetch'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE ROWS 100;
+
+COMMENT ON FUNCTION idempotency.idem_outbox_fetch(text, integer, interval, integer) IS
+	'lease up to batch ready rows of a topic for an external relay, oldest first and gap-safe per key, up to per_key consecutive rows of one key in one hand-out';
+
+REVOKE ALL ON FUNCTION idempotency.idem_outbox_fetch(text, integer, interval, integer) FROM PUBLIC;
+
+SELECT idempotency._carry_grants(
+	'idempotency.idem_outbox_fetch(text, integer, interval)',
+	'idempotency.idem_outbox_fetch(text, integer, interval, integer)');
+
+DROP FUNCTION idempotency.idem_outbox_fetch(text, integer, interval);
+
+CREATE FUNCTION idempotency.idem_outbox_ack(ids bigint[], attempts integer[])
+RETURNS integer
+AS 'MODULE_PATHNAME', 'idem_outbox_ack_fenced'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_outbox_ack(bigint[], integer[]) IS
+	'acknowledge rows still leased under the hand-outs that returned them (attempts as fetched) as published, each together with or after the earlier rows of its key; returns how many were';
+
+CREATE FUNCTION idempotency.idem_outbox_nack(id bigint, error text, attempt integer)
+RETURNS boolean
+AS 'MODULE_PATHNAME', 'idem_outbox_nack_fenced'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency.idem_outbox_nack(bigint, text, integer) IS
+	'report a failed publish of a row still leased under the hand-out that returned it (attempt as fetched); the later rows of that hand-out go back to pending';
+
+REVOKE ALL ON FUNCTION idempotency.idem_outbox_enqueue_batch(text, jsonb[], text[], jsonb[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idempotency.idem_outbox_ack(bigint[], integer[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idempotency.idem_outbox_nack(bigint, text, integer) FROM PUBLIC;
+
+
+/* the grants are carried: the helper goes */
+DROP FUNCTION idempotency._carry_grants(regprocedure, regprocedure);

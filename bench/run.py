@@ -22,7 +22,7 @@ and with 1,000 waiters on 1,000 keys; and claim + complete with 1,000
 waiters parked, against the same without them.
 
 Environment: BENCH_SECONDS, BENCH_ROUNDS, BENCH_PUBLISH_SECONDS, BENCH_PURGE_ROWS,
-BENCH_WAITERS (1000), BENCH_PARTS (a subset of pairs,shapes,publish,wait,purge),
+BENCH_WAITERS (1000), BENCH_PARTS (a subset of pairs,shapes,publish,wait,purge,outbox),
 BENCH_PAIRS (names of
 the pairs to run, comma-separated; all by default), BENCH_EXTRA_CONF
 (postgresql.conf lines for the cluster, separated by ';'), PG_CONFIG.
@@ -48,7 +48,7 @@ PUBLISH_SECONDS = int(os.environ.get("BENCH_PUBLISH_SECONDS", "60"))
 CLIENTS = 8
 THREADS = 2
 PURGE_ROWS = int(os.environ.get("BENCH_PURGE_ROWS", "1000000"))
-PARTS = os.environ.get("BENCH_PARTS", "pairs,shapes,publish,wait,purge").split(",")
+PARTS = os.environ.get("BENCH_PARTS", "pairs,shapes,publish,wait,purge,outbox").split(",")
 WAITERS = int(os.environ.get("BENCH_WAITERS", "1000"))
 
 # (name in the JSON, our script, the reference script, the bar)
@@ -325,6 +325,123 @@ def bench_publish(cluster):
     failures = int(cluster.psql("SELECT publish_failures FROM idempotency.idem_stats_counters()"))
     return {"tps": tps, "failures": failures, "backlog_max": max(backlog or [0]), "backlog_last": (backlog or [0])[-1],
             "drained": drained, "p50": p50, "p99": p99, "keeps_up": keeps_up}
+
+
+# --- the outbox's batch calls and pull API (issue 19) -----------------------
+
+DRAIN_ROWS = int(os.environ.get("BENCH_DRAIN_ROWS", "50000"))
+HOT_KEY_ROWS = int(os.environ.get("BENCH_HOT_KEY_ROWS", "20000"))
+
+
+def fill_drain(cluster, topic, rows, keys):
+    """rows ready outbox rows of topic, with keys distinct keys in turn (0:
+    none), and the same rows in bench_drain, the floor's table."""
+    key = "NULL" if keys == 0 else f"(SELECT array_agg('k' || n % {keys}) FROM generate_series(1, {rows}) n)"
+    cluster.psql(f"TRUNCATE idempotency.outbox, bench_drain; "
+                 f"SELECT count(*) FROM idempotency.idem_outbox_enqueue_batch('{topic}', "
+                 f"array_fill('{{\"order_id\": 123456, \"status\": \"created\"}}'::jsonb, ARRAY[{rows}]), {key}); "
+                 f"INSERT INTO bench_drain SELECT * FROM idempotency.outbox")
+    cluster.psql("VACUUM (ANALYZE) idempotency.outbox, bench_drain")
+    cluster.psql("CHECKPOINT")
+
+
+def drain_once(cluster, script, batches, per_key=1, options=None):
+    """One relay (one client) running script batches times; returns batches
+    a second."""
+    env = dict(os.environ)
+    if options:
+        env["PGOPTIONS"] = options
+    out = cluster.run([f"{PGBIN}/pgbench", "-n", "-M", "prepared", "-c", "1", "-t", str(batches),
+                       "-D", f"per_key={per_key}", "-f", os.path.join(WORKLOADS, script),
+                       "-h", cluster.dir, "-p", str(cluster.port), "-U", "postgres", "postgres"],
+                      env=env)
+    return float(re.search(r"tps = ([\d.]+) \(without initial connection time\)", out)[1])
+
+
+def bench_drain(cluster, keys):
+    """One relay drains DRAIN_ROWS ready rows in batches of 100, fetch then
+    ack (each in autocommit), against the plain-SQL floor of the same shape
+    (UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 100)
+    RETURNING, then DELETE ... WHERE id = ANY), ROUNDS rounds alternating.
+    Returns the median batches/s of each and the median of the rounds'
+    ratios."""
+    batches = DRAIN_ROWS // 100
+    ours, floor, ratios = [], [], []
+    for round_no in range(ROUNDS):
+        results = {}
+        for side in (["ours", "floor"] if round_no % 2 == 0 else ["floor", "ours"]):
+            fill_drain(cluster, "drain", DRAIN_ROWS, keys)
+            results[side] = drain_once(cluster, "drain.sql" if side == "ours" else "drain_floor.sql",
+                                       batches)
+            left = int(cluster.psql("SELECT count(*) FROM idempotency.outbox" if side == "ours"
+                                    else "SELECT count(*) FROM bench_drain"))
+            if left:
+                raise SystemExit(f"the {side} drain left {left} rows")
+        ours.append(results["ours"])
+        floor.append(results["floor"])
+        ratios.append(results["ours"] / results["floor"])
+    return statistics.median(ours), statistics.median(floor), ratios
+
+
+def bench_hot_key(cluster):
+    """One relay drains one hot key, per_key 100 against per_key 1, acked
+    rows kept as published (outbox_retention 1h) so that the order in which
+    each key's rows were acknowledged can be checked afterwards: a row's
+    published_at is never earlier than the one before it of its key."""
+    options = "-c idempotency.outbox_retention=1h"
+    rates = {}
+    for per_key, batches in ((100, HOT_KEY_ROWS // 100), (1, HOT_KEY_ROWS // 10)):
+        fill_drain(cluster, "drain", HOT_KEY_ROWS, 1)
+        per_second = drain_once(cluster, "drain.sql", batches, per_key=per_key, options=options)
+        rows = int(cluster.psql("SELECT count(*) FROM idempotency.outbox WHERE state = 'published'"))
+        rates[per_key] = per_second * rows / batches
+        out_of_order = int(cluster.psql(
+            "SELECT count(*) FROM (SELECT published_at < lag(published_at) OVER (PARTITION BY key ORDER BY id) AS wrong"
+            " FROM idempotency.outbox WHERE topic = 'drain') s WHERE wrong"))
+        gaps = int(cluster.psql(
+            "SELECT count(*) FROM idempotency.outbox p WHERE state = 'published' AND EXISTS ("
+            " SELECT FROM idempotency.outbox e WHERE e.topic = p.topic AND e.key = p.key"
+            " AND e.id < p.id AND e.state <> 'published')"))
+        if out_of_order or gaps:
+            raise SystemExit(f"per_key {per_key}: {out_of_order} rows acknowledged before an earlier row"
+                             f" of their key, {gaps} published ahead of an unpublished one")
+    return rates
+
+
+def bench_outbox(cluster, summary):
+    print("\n== outbox: enqueue_batch, and one relay draining with the pull API", flush=True)
+    cluster.psql("CREATE TABLE IF NOT EXISTS bench_drain (LIKE idempotency.outbox INCLUDING DEFAULTS"
+                 " INCLUDING CONSTRAINTS); ALTER TABLE bench_drain DROP CONSTRAINT IF EXISTS bench_drain_pkey;"
+                 " ALTER TABLE bench_drain ADD PRIMARY KEY (topic, id)")
+    pair_tables_autovacuum(cluster, False)
+    cluster.psql("ALTER TABLE bench_drain SET (autovacuum_enabled = off)")
+    # the same shape as the outbox, storage parameters (its fillfactor) too,
+    # which CREATE TABLE ... (LIKE ... INCLUDING ALL) does not copy
+    cluster.psql("DO $$ BEGIN EXECUTE coalesce((SELECT format('ALTER TABLE bench_outbox SET (%s)',"
+                 " array_to_string(reloptions, ', ')) FROM pg_class"
+                 " WHERE oid = 'idempotency.outbox'::regclass), 'SELECT'); END $$")
+    median, ratio = compare(cluster, "enqueue_batch.sql", "insert_outbox_unnest.sql")
+    print(f"enqueue_batch of 100 vs INSERT ... SELECT unnest: ours {median['ours'][0]:.0f} calls/s, "
+          f"insert {median['ref'][0]:.0f}/s, ratio {ratio:.2f} (bar 0.90, "
+          f"{'ok' if ratio >= 0.9 else 'MISS'}); rounds {median['rounds']}", flush=True)
+    summary["enqueue_batch_vs_insert_unnest"] = round(ratio, 3)
+    cluster.psql("TRUNCATE idempotency.outbox, bench_outbox")
+    for keys, name in ((0, "drain_vs_floor"), (1000, "drain_1000_keys_vs_floor")):
+        ours, floor, ratios = bench_drain(cluster, keys)
+        ratio = statistics.median(ratios)
+        print(f"drain {DRAIN_ROWS} rows, {'no keys' if keys == 0 else f'{keys} keys'}, batches of 100:"
+              f" ours {ours:.0f} batches/s ({1000 / ours:.2f} ms), floor {floor:.0f} batches/s"
+              f" ({1000 / floor:.2f} ms), ratio {ratio:.2f} (bar 0.80, {'ok' if ratio >= 0.8 else 'MISS'});"
+              f" rounds {' '.join(f'{r:.2f}' for r in ratios)}", flush=True)
+        summary[name] = round(ratio, 3)
+    rates = bench_hot_key(cluster)
+    ratio = rates[100] / rates[1]
+    print(f"one hot key: per_key 100 {rates[100]:.0f} rows/s, per_key 1 {rates[1]:.0f} rows/s,"
+          f" ratio {ratio:.1f} (bar 20, {'ok' if ratio >= 20 else 'MISS'}); every key's order"
+          f" checked", flush=True)
+    summary["hot_key_per_key_100_vs_1"] = round(ratio, 1)
+    cluster.psql("TRUNCATE idempotency.outbox, bench_drain")
+    pair_tables_autovacuum(cluster, True)
 
 
 def fill_expired(cluster, table):
@@ -635,6 +752,8 @@ def main():
                   f"  ratio {ratio:.2f}", flush=True)
 
         pair_tables_autovacuum(cluster, True)
+        if "outbox" in PARTS:
+            bench_outbox(cluster, summary)
         if "publish" in PARTS:
             print(f"\n== publishing: function route, 8 clients enqueue for {PUBLISH_SECONDS} s")
             published = bench_publish(cluster)

@@ -47,8 +47,11 @@
 #include "miscadmin.h"
 #include "storage/lmgr.h"
 #include "utils/acl.h"
+#include "utils/array.h"
 #include "utils/builtins.h"
+#include "utils/datum.h"
 #include "utils/guc.h"
+#include "utils/hsearch.h"
 #include "utils/jsonb.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
@@ -66,10 +69,13 @@
 #include "infra/shmem.h"
 
 PG_FUNCTION_INFO_V1(idem_outbox_enqueue);
+PG_FUNCTION_INFO_V1(idem_outbox_enqueue_batch);
 PG_FUNCTION_INFO_V1(idem_outbox_route);
 PG_FUNCTION_INFO_V1(idem_outbox_fetch);
 PG_FUNCTION_INFO_V1(idem_outbox_ack);
+PG_FUNCTION_INFO_V1(idem_outbox_ack_fenced);
 PG_FUNCTION_INFO_V1(idem_outbox_nack);
+PG_FUNCTION_INFO_V1(idem_outbox_nack_fenced);
 PG_FUNCTION_INFO_V1(idem_outbox_requeue);
 PG_FUNCTION_INFO_V1(idem_outbox_discard);
 
@@ -80,6 +86,9 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
  * (objsubid).  A hash collision only makes two keys share a lock.
  */
 #define OUTBOX_KEY_LOCK_CLASS	0x4944
+
+/* How many rows enqueue_batch writes to the heap in one go, as COPY does. */
+#define ENQUEUE_CHUNK			1000
 
 /* The longest NOTIFY channel or logical message prefix we accept. */
 #define ROUTE_NAME_MAX_BYTES	(NAMEDATALEN - 1)
@@ -167,22 +176,75 @@ topic_is_routed(text *topic)
 	return found != NULL ? found->routed : routes_cache.known.default_routed;
 }
 
+/* The per-key enqueue lock's hash of a (topic, key) pair. */
+static uint64
+outbox_key_hash(text *topic, text *key)
+{
+	uint64		hash;
+
+	hash = hash_bytes_extended((const unsigned char *) VARDATA_ANY(topic),
+							   VARSIZE_ANY_EXHDR(topic), 0);
+	return hash_bytes_extended((const unsigned char *) VARDATA_ANY(key),
+							   VARSIZE_ANY_EXHDR(key), hash);
+}
+
 /*
  * Serialise enqueuers of one (topic, key) until the end of the transaction.
  */
 static void
-lock_outbox_key(text *topic, text *key)
+lock_outbox_key(uint64 hash)
 {
-	uint64		hash;
 	LOCKTAG		tag;
 
-	hash = hash_bytes_extended((const unsigned char *) VARDATA_ANY(topic),
-							   VARSIZE_ANY_EXHDR(topic), 0);
-	hash = hash_bytes_extended((const unsigned char *) VARDATA_ANY(key),
-							   VARSIZE_ANY_EXHDR(key), hash);
 	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, (uint32) (hash >> 32), (uint32) hash,
 						 OUTBOX_KEY_LOCK_CLASS);
 	(void) LockAcquire(&tag, ExclusiveLock, false, false);
+}
+
+static void
+check_topic(text *topic)
+{
+	if (VARSIZE_ANY_EXHDR(topic) == 1 && *VARDATA_ANY(topic) == '*')
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("\"*\" is not a topic"),
+				 errdetail("\"*\" names the default route in idem_outbox_route.")));
+}
+
+static void
+check_headers(Jsonb *headers)
+{
+	if (headers != NULL && !JB_ROOT_IS_OBJECT(headers))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("headers must be a JSON object")));
+}
+
+/*
+ * A new pending row, with the next id, into values and nulls; returns the
+ * id.  The caller holds its key's lock.
+ */
+static int64
+make_pending_row(Datum *values, bool *nulls, text *topic, text *key, Datum payload,
+				 Jsonb *headers, TimestampTz now)
+{
+	int64		id = idem_outbox_next_id();
+
+	memset(nulls, false, sizeof(bool) * Natts_outbox);
+	values[Anum_outbox_id - 1] = Int64GetDatum(id);
+	values[Anum_outbox_topic - 1] = PointerGetDatum(topic);
+	values[Anum_outbox_key - 1] = PointerGetDatum(key);
+	nulls[Anum_outbox_key - 1] = key == NULL;
+	values[Anum_outbox_payload - 1] = payload;
+	values[Anum_outbox_headers - 1] = PointerGetDatum(headers);
+	nulls[Anum_outbox_headers - 1] = headers == NULL;
+	values[Anum_outbox_created_at - 1] = TimestampTzGetDatum(now);
+	values[Anum_outbox_state - 1] = CStringGetTextDatum("pending");
+	values[Anum_outbox_attempts - 1] = Int32GetDatum(0);
+	values[Anum_outbox_available_at - 1] = TimestampTzGetDatum(now);
+	nulls[Anum_outbox_last_error - 1] = true;
+	nulls[Anum_outbox_published_at - 1] = true;
+	return id;
 }
 
 /*
@@ -194,25 +256,17 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 	text	   *topic = idem_arg_identifier(fcinfo, 0, "topic", 1);
 	text	   *key = PG_ARGISNULL(2) ? NULL : idem_arg_identifier(fcinfo, 2, "key", 1);
 	Jsonb	   *headers = PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3);
-	TimestampTz now = GetCurrentTimestamp();
 	IdemRelation rel;
 	Datum		values[Natts_outbox];
 	bool		nulls[Natts_outbox];
 	int64		id;
 
-	if (VARSIZE_ANY_EXHDR(topic) == 1 && *VARDATA_ANY(topic) == '*')
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("\"*\" is not a topic"),
-				 errdetail("\"*\" names the default route in idem_outbox_route.")));
+	check_topic(topic);
 	if (PG_ARGISNULL(1))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("payload must not be null")));
-	if (headers != NULL && !JB_ROOT_IS_OBJECT(headers))
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("headers must be a JSON object")));
+	check_headers(headers);
 
 	idem_require_writable("idem_outbox_enqueue()");
 
@@ -221,33 +275,172 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 	 * key functions write theirs (see tables.c): no executor, no SPI.
 	 */
 	idem_relation_open(&rel, IDEM_TABLE_OUTBOX, RowExclusiveLock);
-
 	/* before the row gets its id: see the top of this file */
 	if (key != NULL)
-		lock_outbox_key(topic, key);
-	id = idem_outbox_next_id();
-
-	memset(nulls, false, sizeof(nulls));
-	values[Anum_outbox_id - 1] = Int64GetDatum(id);
-	values[Anum_outbox_topic - 1] = PointerGetDatum(topic);
-	values[Anum_outbox_key - 1] = PointerGetDatum(key);
-	nulls[Anum_outbox_key - 1] = key == NULL;
-	values[Anum_outbox_payload - 1] = PG_GETARG_DATUM(1);
-	values[Anum_outbox_headers - 1] = PointerGetDatum(headers);
-	nulls[Anum_outbox_headers - 1] = headers == NULL;
-	values[Anum_outbox_created_at - 1] = TimestampTzGetDatum(now);
-	values[Anum_outbox_state - 1] = CStringGetTextDatum("pending");
-	values[Anum_outbox_attempts - 1] = Int32GetDatum(0);
-	values[Anum_outbox_available_at - 1] = TimestampTzGetDatum(now);
-	nulls[Anum_outbox_last_error - 1] = true;
-	nulls[Anum_outbox_published_at - 1] = true;
-
+		lock_outbox_key(outbox_key_hash(topic, key));
+	id = make_pending_row(values, nulls, topic, key, PG_GETARG_DATUM(1), headers,
+						  GetCurrentTimestamp());
 	idem_insert(&rel, values, nulls);
 	idem_relation_close(&rel);
 	if (topic_is_routed(topic))
 		idem_wake_worker_at_commit();
 
 	PG_RETURN_INT64(id);
+}
+
+/*
+ * The elements of an array argument, or an ERROR if it is not a list (more
+ * than one dimension) or, with expected >= 0, not that long.
+ */
+static void
+array_argument(FunctionCallInfo fcinfo, int argno, const char *name, Oid element_type,
+			   int expected, Datum **elements, bool **nulls, int *count)
+{
+	ArrayType  *array = PG_GETARG_ARRAYTYPE_P(argno);
+	int16		typlen;
+	bool		typbyval;
+	char		typalign;
+
+	if (ARR_NDIM(array) > 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
+				 errmsg("%s must be a one-dimensional array", name)));
+	get_typlenbyvalalign(element_type, &typlen, &typbyval, &typalign);
+	deconstruct_array(array, element_type, typlen, typbyval, typalign,
+					  elements, nulls, count);
+	if (expected >= 0 && *count != expected)
+		ereport(ERROR,
+				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
+				 errmsg("%s has %d elements, not %d", name, *count, expected),
+				 errdetail("Each array gives one value per row: they must be equally long.")));
+}
+
+/* Sorts the per-key lock hashes of a batch, the order they are taken in. */
+static int
+compare_hashes(const void *a, const void *b)
+{
+	uint64		x = *(const uint64 *) a;
+	uint64		y = *(const uint64 *) b;
+
+	return x < y ? -1 : x > y ? 1 : 0;
+}
+
+/*
+ * idem_outbox_enqueue_batch(topic, payloads, keys, headers) -> SETOF bigint
+ *
+ * One row per payload, the ids in array order.  Everything is checked
+ * before anything is written.  The keys' locks are taken first, all of
+ * them, in one order that does not depend on the arrays (by hash), so that
+ * two batches naming the same keys in different orders never deadlock;
+ * then the rows get their ids in array order, which is the order of the
+ * rows of each key.
+ */
+Datum
+idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
+{
+	text	   *topic = idem_arg_identifier(fcinfo, 0, "topic", 1);
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	Datum	   *payloads;
+	bool	   *payload_nulls;
+	int			count;
+	Datum	   *keys = NULL;
+	bool	   *key_nulls = NULL;
+	Datum	   *headers = NULL;
+	bool	   *header_nulls = NULL;
+	int			ignored;
+	uint64	   *hashes;
+	int			nhashes = 0;
+	IdemRelation rel;
+	TimestampTz now = GetCurrentTimestamp();
+	Datum	  **row_values;
+	bool	  **row_nulls;
+
+	check_topic(topic);
+	if (PG_ARGISNULL(1))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("payloads must not be null")));
+	array_argument(fcinfo, 1, "payloads", JSONBOID, -1, &payloads, &payload_nulls, &count);
+	if (!PG_ARGISNULL(2))
+		array_argument(fcinfo, 2, "keys", TEXTOID, count, &keys, &key_nulls, &ignored);
+	if (!PG_ARGISNULL(3))
+		array_argument(fcinfo, 3, "headers", JSONBOID, count, &headers, &header_nulls, &ignored);
+
+	hashes = palloc(sizeof(uint64) * Max(count, 1));
+	for (int i = 0; i < count; i++)
+	{
+		if (payload_nulls[i])
+			ereport(ERROR,
+					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+					 errmsg("payloads must not contain nulls"),
+					 errdetail("Element %d is null.", i + 1)));
+		if (keys != NULL && !key_nulls[i])
+		{
+			text	   *key = DatumGetTextPP(keys[i]);
+			int			len = VARSIZE_ANY_EXHDR(key);
+
+			if (len < 1)
+				ereport(ERROR,
+						(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+						 errmsg("keys must not contain empty strings"),
+						 errdetail("Element %d is empty.", i + 1)));
+			if (len > IDEM_MAX_IDENTIFIER_BYTES)
+				ereport(ERROR,
+						(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
+						 errmsg("key is too long"),
+						 errdetail("Element %d is %d bytes long; the limit is %d bytes.",
+								   i + 1, len, IDEM_MAX_IDENTIFIER_BYTES)));
+			keys[i] = PointerGetDatum(key);
+			hashes[nhashes++] = outbox_key_hash(topic, key);
+		}
+		if (headers != NULL && !header_nulls[i])
+		{
+			headers[i] = PointerGetDatum(DatumGetJsonbP(headers[i]));
+			check_headers(DatumGetJsonbP(headers[i]));
+		}
+	}
+
+	idem_require_writable("idem_outbox_enqueue_batch()");
+	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
+	if (count == 0)
+		return (Datum) 0;
+
+	idem_relation_open(&rel, IDEM_TABLE_OUTBOX, RowExclusiveLock);
+	qsort(hashes, nhashes, sizeof(uint64), compare_hashes);
+	for (int i = 0; i < nhashes; i++)
+		if (i == 0 || hashes[i] != hashes[i - 1])
+			lock_outbox_key(hashes[i]);
+	/* the rows, ENQUEUE_CHUNK at a time, each chunk's heap rows in one go */
+	row_values = palloc(sizeof(Datum *) * Min(count, ENQUEUE_CHUNK));
+	row_nulls = palloc(sizeof(bool *) * Min(count, ENQUEUE_CHUNK));
+	for (int i = 0; i < Min(count, ENQUEUE_CHUNK); i++)
+	{
+		row_values[i] = palloc(sizeof(Datum) * Natts_outbox);
+		row_nulls[i] = palloc(sizeof(bool) * Natts_outbox);
+	}
+	for (int first = 0; first < count; first += ENQUEUE_CHUNK)
+	{
+		int			nrows = Min(count - first, ENQUEUE_CHUNK);
+
+		for (int r = 0; r < nrows; r++)
+		{
+			int			i = first + r;
+			text	   *key = keys != NULL && !key_nulls[i] ? DatumGetTextPP(keys[i]) : NULL;
+			Jsonb	   *header = headers != NULL && !header_nulls[i] ?
+				DatumGetJsonbP(headers[i]) : NULL;
+			Datum		id = Int64GetDatum(make_pending_row(row_values[r], row_nulls[r], topic,
+															key, payloads[i], header, now));
+			bool		isnull = false;
+
+			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, &id, &isnull);
+		}
+		idem_insert_many(&rel, row_values, row_nulls, nrows);
+	}
+	idem_relation_close(&rel);
+	if (topic_is_routed(topic))
+		idem_wake_worker_at_commit();
+
+	return (Datum) 0;
 }
 
 /* A NOTIFY channel or logical message prefix: 1 to 63 bytes, no spaces. */
@@ -391,52 +584,353 @@ idem_outbox_route(PG_FUNCTION_ARGS)
 	PG_RETURN_VOID();
 }
 
+/* The ids a fetch hands out, in the order it chose them. */
+typedef struct HandOut
+{
+	Datum	   *ids;
+	int			count;
+	int			capacity;		/* of ids: what was found so far */
+	int			limit;			/* the batch */
+} HandOut;
+
 /*
- * idem_outbox_fetch(topic, batch, lease) -> SETOF idempotency.outbox
+ * Add to the hand-out the rows of a head's key that follow it, as many as
+ * fit under per_key and the batch, up to the first that is not ready.
+ */
+static void
+add_followers(HandOut *handout, Datum *params, int64 head_id, Datum key, int per_key)
+{
+	int			room = Min(per_key - 1, handout->limit - handout->count);
+	uint64		found;
+
+	if (room <= 0)
+		return;
+	params[FETCH_LIMIT] = Int32GetDatum(room);
+	params[FETCH_KEY] = key;
+	params[FETCH_AFTER_ID] = Int64GetDatum(head_id);
+	found = outbox_sql_run(STMT_FETCH_FOLLOWERS, params, NULL);
+	if (handout->count + (int) found > handout->capacity)
+	{
+		handout->capacity = Max(handout->capacity * 2, handout->count + (int) found);
+		handout->ids = repalloc(handout->ids, sizeof(Datum) * handout->capacity);
+	}
+	for (uint64 i = 0; i < found; i++)
+	{
+		bool		isnull;
+		HeapTuple	row = SPI_tuptable->vals[i];
+
+		if (!DatumGetBool(SPI_getbinval(row, SPI_tuptable->tupdesc, FOLLOWER_READY, &isnull)))
+			break;
+		handout->ids[handout->count++] =
+			SPI_getbinval(row, SPI_tuptable->tupdesc, FOLLOWER_ID, &isnull);
+	}
+	SPI_freetuptable(SPI_tuptable);
+}
+
+/* The heads a fetch locked, in id order. */
+typedef struct Heads
+{
+	int64	   *ids;
+	Datum	   *keys;			/* when follows */
+	bool	   *follows;		/* may rows of its key follow it? */
+	uint64		count;
+	uint64		capacity;
+} Heads;
+
+/*
+ * Lock the ready heads among the candidates ($8) and add them to heads, up
+ * to limit; returns how many there are now.
+ */
+static uint64
+lock_heads(Datum *params, char *nulls, int64 *candidates, int ncandidates,
+		   int per_key, uint64 limit, Heads *heads)
+{
+	Datum	   *ids = palloc(sizeof(Datum) * ncandidates);
+	uint64		locked;
+
+	for (int i = 0; i < ncandidates; i++)
+		ids[i] = Int64GetDatum(candidates[i]);
+	params[FETCH_IDS] = PointerGetDatum(construct_array(ids, ncandidates, INT8OID,
+														sizeof(int64), FLOAT8PASSBYVAL,
+														TYPALIGN_DOUBLE));
+	nulls[FETCH_IDS] = ' ';
+	locked = outbox_sql_run(STMT_FETCH_HEADS, params, nulls);
+	nulls[FETCH_IDS] = 'n';
+	if (heads->count + locked > heads->capacity)
+	{
+		heads->capacity = Max(heads->capacity * 2, heads->count + locked);
+		heads->ids = repalloc(heads->ids, sizeof(int64) * heads->capacity);
+		heads->keys = repalloc(heads->keys, sizeof(Datum) * heads->capacity);
+		heads->follows = repalloc(heads->follows, sizeof(bool) * heads->capacity);
+	}
+	for (uint64 i = 0; i < locked && heads->count < limit; i++)
+	{
+		HeapTuple	row = SPI_tuptable->vals[i];
+		TupleDesc	desc = SPI_tuptable->tupdesc;
+		bool		key_null;
+		bool		isnull;
+		Datum		key = SPI_getbinval(row, desc, HEAD_KEY, &key_null);
+		bool		exhausted = DatumGetBool(SPI_getbinval(row, desc, HEAD_EXHAUSTED, &isnull));
+		uint64		n = heads->count++;
+
+		heads->ids[n] = DatumGetInt64(SPI_getbinval(row, desc, HEAD_ID, &isnull));
+		/* a head that dies now holds its key back: nothing follows it */
+		heads->follows[n] = per_key > 1 && !key_null && !exhausted;
+		heads->keys[n] = heads->follows[n] ? datumCopy(key, false, -1) : (Datum) 0;
+	}
+	SPI_freetuptable(SPI_tuptable);
+	pfree(ids);
+	return heads->count;
+}
+
+/*
+ * The ready heads of the topic's keys, oldest first, up to batch of them,
+ * locked (see STMT_FETCH_SCAN): the topic's unpublished rows are walked in
+ * id order, and a row is a head if it is ready, and either has no key or is
+ * the first row of its key met.  The candidates are locked a chunk at a
+ * time, skipping those another relay is taking; the walk goes on until the
+ * batch is full or the rows run out.
+ */
+static uint64
+find_heads(Datum *params, char *nulls, int32 batch, int per_key, Heads *heads)
+{
+	Portal		portal;
+	HTAB	   *seen = NULL;
+	int64	   *candidates = NULL;
+	int			ncandidates;
+
+	heads->count = 0;
+	heads->capacity = 16;
+	heads->ids = palloc(sizeof(int64) * heads->capacity);
+	heads->keys = palloc(sizeof(Datum) * heads->capacity);
+	heads->follows = palloc(sizeof(bool) * heads->capacity);
+
+	portal = SPI_cursor_open(NULL, outbox_plan(STMT_FETCH_SCAN), params, nulls, false);
+	while (heads->count < (uint64) batch)
+	{
+		/* a chunk: as many rows as heads are still wanted, within reason */
+		long		chunk = Max(Min((long) batch - (long) heads->count, 1000L), 16L);
+		uint64		nrows;
+		int64	   *ids;
+		char	  **keys;
+		bool	   *ready;
+		uint64		pos = 0;
+
+		SPI_cursor_fetch(portal, true, chunk);
+		nrows = SPI_processed;
+		if (nrows == 0)
+			break;
+
+		/* copied out: locking the candidates replaces SPI_tuptable */
+		ids = palloc(sizeof(int64) * nrows);
+		keys = palloc(sizeof(char *) * nrows);
+		ready = palloc(sizeof(bool) * nrows);
+		for (uint64 i = 0; i < nrows; i++)
+		{
+			HeapTuple	row = SPI_tuptable->vals[i];
+			TupleDesc	desc = SPI_tuptable->tupdesc;
+			bool		key_null;
+			bool		isnull;
+			Datum		key = SPI_getbinval(row, desc, SCAN_KEY, &key_null);
+
+			ids[i] = DatumGetInt64(SPI_getbinval(row, desc, SCAN_ID, &isnull));
+			ready[i] = DatumGetBool(SPI_getbinval(row, desc, SCAN_READY, &isnull));
+			keys[i] = NULL;
+			if (!key_null)
+			{
+				text	   *k = DatumGetTextPP(key);
+				int			len = Min(VARSIZE_ANY_EXHDR(k), IDEM_MAX_IDENTIFIER_BYTES);
+
+				keys[i] = palloc0(IDEM_MAX_IDENTIFIER_BYTES + 1);
+				memcpy(keys[i], VARDATA_ANY(k), len);
+			}
+		}
+		SPI_freetuptable(SPI_tuptable);
+		if (candidates == NULL)
+			candidates = palloc(sizeof(int64) * 1000);
+
+		/*
+		 * No more candidates at a time than heads are still wanted: a
+		 * candidate is locked, and one locked but not handed out would stay
+		 * locked, out of other relays' reach, until our transaction ends.
+		 */
+		while (pos < nrows && heads->count < (uint64) batch)
+		{
+			uint64		wanted = (uint64) batch - heads->count;
+
+			ncandidates = 0;
+			for (; pos < nrows && (uint64) ncandidates < wanted; pos++)
+			{
+				if (keys[pos] != NULL)
+				{
+					bool		found;
+
+					if (seen == NULL)
+					{
+						HASHCTL		ctl;
+
+						ctl.keysize = IDEM_MAX_IDENTIFIER_BYTES + 1;
+						ctl.entrysize = IDEM_MAX_IDENTIFIER_BYTES + 1;
+						ctl.hcxt = CurrentMemoryContext;
+						seen = hash_create("idempotency outbox keys seen", 1024, &ctl,
+										   HASH_ELEM | HASH_STRINGS | HASH_CONTEXT);
+					}
+					(void) hash_search(seen, keys[pos], HASH_ENTER, &found);
+					if (found)
+						continue;	/* an earlier row of its key is unpublished */
+				}
+				if (ready[pos])
+					candidates[ncandidates++] = ids[pos];
+			}
+			if (ncandidates > 0)
+				(void) lock_heads(params, nulls, candidates, ncandidates, per_key, batch, heads);
+		}
+		for (uint64 i = 0; i < nrows; i++)
+			if (keys[i] != NULL)
+				pfree(keys[i]);
+		pfree(ids);
+		pfree(keys);
+		pfree(ready);
+	}
+	SPI_cursor_close(portal);
+	if (seen != NULL)
+		hash_destroy(seen);
+	return heads->count;
+}
+
+/* A count argument: not NULL, and positive. */
+static int32
+positive_count(FunctionCallInfo fcinfo, int argno, const char *name)
+{
+	int32		value;
+
+	if (PG_ARGISNULL(argno))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("%s must not be null", name)));
+	value = PG_GETARG_INT32(argno);
+	if (value <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be positive", name),
+				 errdetail("The value given was %d.", value)));
+	return value;
+}
+
+/*
+ * idem_outbox_fetch(topic, batch, lease, per_key) -> SETOF idempotency.outbox
+ *
+ * Also bound to the 1.0 signature (topic, batch, lease): per_key is 1 then.
+ *
+ * The batch is filled with the ready heads of the topic's keys first,
+ * oldest first; then, with per_key above 1, what room is left goes to the
+ * rows that follow each head in its key, head by head.  Every row handed
+ * out is leased to this caller with one more attempt; the rows come back in
+ * id order.
  */
 Datum
 idem_outbox_fetch(PG_FUNCTION_ARGS)
 {
 	text	   *topic = idem_arg_identifier(fcinfo, 0, "topic", 1);
 	int32		batch;
+	int32		per_key = 1;
 	Interval   *lease;
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
-	Datum		values[5];
+	Datum		params[FETCH_NPARAMS];
+	char		nulls[FETCH_NPARAMS];
 	OutboxSqlContext context;
+	HandOut		handout;
+	Heads		heads;
+	uint64		nheads;
 	uint64		fetched;
 
-	if (PG_ARGISNULL(1))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("batch must not be null")));
-	batch = PG_GETARG_INT32(1);
-	if (batch <= 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("batch must be positive"),
-				 errdetail("The value given was %d.", batch)));
+	batch = positive_count(fcinfo, 1, "batch");
 	if (PG_ARGISNULL(2))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("lease must not be null")));
 	lease = idem_arg_duration(fcinfo, 2, "lease", 0);
+	/* the 1.0 signature has no per_key */
+	if (PG_NARGS() > 3)
+		per_key = positive_count(fcinfo, 3, "per_key");
 
 	idem_require_writable("idem_outbox_fetch()");
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 
-	values[0] = PointerGetDatum(topic);
-	values[1] = Int32GetDatum(batch);
-	values[2] = IntervalPGetDatum(lease);
-	values[3] = TimestampTzGetDatum(GetCurrentTimestamp());
-	values[4] = Int32GetDatum(idem_outbox_max_attempts);
+	memset(nulls, ' ', sizeof(nulls));
+	params[FETCH_TOPIC] = PointerGetDatum(topic);
+	params[FETCH_LIMIT] = Int32GetDatum(batch);
+	params[FETCH_LEASE] = IntervalPGetDatum(lease);
+	params[FETCH_NOW] = TimestampTzGetDatum(GetCurrentTimestamp());
+	params[FETCH_MAX_ATTEMPTS] = Int32GetDatum(idem_outbox_max_attempts);
+	params[FETCH_KEY] = (Datum) 0;
+	params[FETCH_AFTER_ID] = Int64GetDatum(0);
+	params[FETCH_IDS] = (Datum) 0;
+	nulls[FETCH_KEY] = nulls[FETCH_IDS] = 'n';
 
 	outbox_sql_begin(&context);
-	fetched = outbox_sql_run(STMT_FETCH, values, NULL);
-	for (uint64 i = 0; i < fetched; i++)
-		tuplestore_puttuple(rsinfo->setResult, SPI_tuptable->vals[i]);
+
+	/* the heads, copied out before the followers' statements run */
+	nheads = find_heads(params, nulls, batch, per_key, &heads);
+	handout.capacity = Max((int) nheads, 1);
+	handout.ids = palloc(sizeof(Datum) * handout.capacity);
+	handout.count = 0;
+	handout.limit = batch;
+	for (uint64 i = 0; i < nheads; i++)
+		handout.ids[handout.count++] = Int64GetDatum(heads.ids[i]);
+
+	if (per_key > 1)
+	{
+		nulls[FETCH_KEY] = ' ';
+		for (uint64 i = 0; i < nheads && handout.count < handout.limit; i++)
+			if (heads.follows[i])
+				add_followers(&handout, params, heads.ids[i], heads.keys[i], per_key);
+	}
+
+	if (handout.count > 0)
+	{
+		params[FETCH_IDS] = PointerGetDatum(construct_array(handout.ids, handout.count, INT8OID,
+															sizeof(int64), FLOAT8PASSBYVAL,
+															TYPALIGN_DOUBLE));
+		nulls[FETCH_IDS] = ' ';
+		fetched = outbox_sql_run(STMT_FETCH_LEASE, params, nulls);
+		for (uint64 i = 0; i < fetched; i++)
+			tuplestore_puttuple(rsinfo->setResult, SPI_tuptable->vals[i]);
+	}
 	outbox_sql_end(&context);
 
 	return (Datum) 0;
+}
+
+/*
+ * The acknowledgements: the leased rows among ids (fenced: each still under
+ * the hand-out that returned it with the attempt given beside it) are
+ * published, each only together with or after every earlier row of its
+ * key.  Returns how many were; an id not counted was not leased (any more),
+ * or came ahead of an earlier row of its key.
+ */
+static int32
+acknowledge(Datum ids, Datum attempts, bool fenced)
+{
+	Datum		values[3];
+	char		nulls[3] = {' ', ' ', ' '};
+	OutboxSqlContext context;
+	uint64		acknowledged;
+	bool		keep = idem_outbox_retention_s != 0;
+
+	idem_require_writable("idem_outbox_ack()");
+	values[0] = ids;
+	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
+	values[2] = attempts;
+	nulls[2] = fenced ? ' ' : 'n';
+
+	outbox_sql_begin(&context);
+	acknowledged = outbox_sql_run(fenced ?
+								  (keep ? STMT_ACK_FENCED_KEEP : STMT_ACK_FENCED_DELETE) :
+								  (keep ? STMT_ACK_KEEP : STMT_ACK_DELETE),
+								  values, nulls);
+	outbox_sql_end(&context);
+	return (int32) acknowledged;
 }
 
 /*
@@ -445,26 +939,54 @@ idem_outbox_fetch(PG_FUNCTION_ARGS)
 Datum
 idem_outbox_ack(PG_FUNCTION_ARGS)
 {
-	Datum		values[2];
-	OutboxSqlContext context;
-	uint64		acknowledged;
+	if (PG_ARGISNULL(0))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("ids must not be null")));
+	PG_RETURN_INT32(acknowledge(PG_GETARG_DATUM(0), (Datum) 0, false));
+}
+
+/*
+ * idem_outbox_ack(ids, attempts) -> integer: the rows among ids still
+ * leased under the hand-out that returned them (attempts[i], as fetched,
+ * for ids[i]), now published.
+ */
+Datum
+idem_outbox_ack_fenced(PG_FUNCTION_ARGS)
+{
+	ArrayType  *ids;
+	ArrayType  *attempts;
+	int			nids;
+	int			nattempts;
 
 	if (PG_ARGISNULL(0))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("ids must not be null")));
-	idem_require_writable("idem_outbox_ack()");
-
-	values[0] = PG_GETARG_DATUM(0);
-	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
-
-	outbox_sql_begin(&context);
-	acknowledged = outbox_sql_run(idem_outbox_retention_s == 0 ?
-								  STMT_ACK_DELETE : STMT_ACK_KEEP,
-								  values, NULL);
-	outbox_sql_end(&context);
-
-	PG_RETURN_INT32((int32) acknowledged);
+	if (PG_ARGISNULL(1))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("attempts must not be null"),
+				 errhint("Pass the attempts column of the fetched rows, or call idem_outbox_ack(ids) to acknowledge unfenced.")));
+	ids = PG_GETARG_ARRAYTYPE_P(0);
+	attempts = PG_GETARG_ARRAYTYPE_P(1);
+	if (ARR_NDIM(ids) > 1 || ARR_NDIM(attempts) > 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
+				 errmsg("ids and attempts must be one-dimensional arrays")));
+	nids = ArrayGetNItems(ARR_NDIM(ids), ARR_DIMS(ids));
+	nattempts = ArrayGetNItems(ARR_NDIM(attempts), ARR_DIMS(attempts));
+	if (nids != nattempts)
+		ereport(ERROR,
+				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
+				 errmsg("ids has %d elements and attempts %d", nids, nattempts),
+				 errdetail("attempts gives the attempt of each id, as fetched.")));
+	/* array_position counts from the lower bound: both must start at 1 */
+	if (nids > 0 && (ARR_LBOUND(ids)[0] != 1 || ARR_LBOUND(attempts)[0] != 1))
+		ereport(ERROR,
+				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
+				 errmsg("ids and attempts must be indexed from 1")));
+	PG_RETURN_INT32(acknowledge(PointerGetDatum(ids), PointerGetDatum(attempts), true));
 }
 
 /* The functions below act on one row by id, and say whether they did. */
@@ -493,13 +1015,14 @@ arg_row_id(FunctionCallInfo fcinfo)
 }
 
 /*
- * idem_outbox_nack(id, error) -> boolean: false for a row not leased.
+ * A nack: $1 id, $2 error, $3 now, $4 max attempts, $5 and $6 the backoff,
+ * $7 the attempt (fenced).
  */
-Datum
-idem_outbox_nack(PG_FUNCTION_ARGS)
+static bool
+negative_acknowledge(FunctionCallInfo fcinfo, bool fenced)
 {
-	Datum		values[6];
-	char		nulls[6] = {' ', ' ', ' ', ' ', ' ', ' '};
+	Datum		values[7];
+	char		nulls[7] = {' ', ' ', ' ', ' ', ' ', ' ', 'n'};
 
 	values[0] = Int64GetDatum(arg_row_id(fcinfo));
 	values[1] = PG_ARGISNULL(1) ? (Datum) 0 : PG_GETARG_DATUM(1);
@@ -508,8 +1031,38 @@ idem_outbox_nack(PG_FUNCTION_ARGS)
 	values[3] = Int32GetDatum(idem_outbox_max_attempts);
 	values[4] = Int32GetDatum(idem_outbox_backoff_min_ms);
 	values[5] = Int32GetDatum(Max(idem_outbox_backoff_min_ms, idem_outbox_backoff_max_ms));
+	values[6] = (Datum) 0;
+	if (fenced)
+	{
+		if (PG_ARGISNULL(2))
+			ereport(ERROR,
+					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+					 errmsg("attempt must not be null"),
+					 errhint("Pass the attempts column of the fetched row, or call idem_outbox_nack(id, error) to nack unfenced.")));
+		values[6] = PG_GETARG_DATUM(2);
+		nulls[6] = ' ';
+	}
+	return change_one_row(fenced ? STMT_NACK_FENCED : STMT_NACK, values, nulls,
+						  "idem_outbox_nack()");
+}
 
-	PG_RETURN_BOOL(change_one_row(STMT_NACK, values, nulls, "idem_outbox_nack()"));
+/*
+ * idem_outbox_nack(id, error) -> boolean: false for a row not leased.
+ */
+Datum
+idem_outbox_nack(PG_FUNCTION_ARGS)
+{
+	PG_RETURN_BOOL(negative_acknowledge(fcinfo, false));
+}
+
+/*
+ * idem_outbox_nack(id, error, attempt) -> boolean: false for a row not
+ * leased under the hand-out that returned it with that attempt.
+ */
+Datum
+idem_outbox_nack_fenced(PG_FUNCTION_ARGS)
+{
+	PG_RETURN_BOOL(negative_acknowledge(fcinfo, true));
 }
 
 /*

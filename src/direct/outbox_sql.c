@@ -66,10 +66,11 @@
 	"WITH picked AS (" \
 	"  SELECT o AS event, o.id, o.topic, o.key, o.payload, o.headers, o.created_at" \
 	"  FROM idempotency.outbox o" \
-	"  WHERE o.state = 'pending' AND o.available_at <= $1 AND " topic_filter \
+	"  WHERE o.state = 'pending' AND o.published_at IS NULL AND o.available_at <= $1" \
+	"    AND " topic_filter \
 	"    AND NOT EXISTS (SELECT FROM idempotency.outbox e" \
 	"                    WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
-	"                      AND e.state <> 'published'" \
+	"                      AND e.state <> 'published' AND e.published_at IS NULL" \
 	"                      AND NOT (e.state = 'pending' AND e.available_at <= $1))" \
 	"  ORDER BY " order_by " LIMIT $2" \
 	"  FOR UPDATE OF o SKIP LOCKED)" \
@@ -81,7 +82,7 @@
 	"                          'truncated', true)::text AS reference," \
 	"        (SELECT max(e.id) FROM idempotency.outbox e" \
 	"         WHERE e.topic = p.topic AND e.key = p.key AND e.id < p.id" \
-	"           AND e.state <> 'published') AS previous_id" \
+	"           AND e.state <> 'published' AND e.published_at IS NULL) AS previous_id" \
 	" FROM picked p" \
 	" CROSS JOIN LATERAL (SELECT rt.target, rt.destination, rt.run_as" \
 	"                     FROM idempotency.outbox_routes rt" \
@@ -90,66 +91,193 @@
 	" WHERE r.target <> 'none'" \
 	" ORDER BY p.id"
 
+/*
+ * The parameters every statement of a fetch gets: $1 topic, $2 how many
+ * rows, $3 lease, $4 now, $5 max attempts, $6 key, $7 the head's id, $8
+ * the ids to lease.
+ */
+#define FETCH_NARGS 8
+#define FETCH_ARGTYPES \
+	{TEXTOID, INT4OID, INTERVALOID, TIMESTAMPTZOID, INT4OID, TEXTOID, INT8OID, INT8ARRAYOID}
+
+/*
+ * The rows of $1 an acknowledgement takes: leased (and, fenced, still under
+ * the hand-out whose attempts $3 gives for each), with no earlier
+ * unpublished row of their key that is not taken too.  An earlier row that
+ * is taken but is itself held back holds back the later ones through the
+ * same test, since whatever holds it back is earlier than them as well.
+ */
+#define ACK_FENCE(alias) \
+	" AND " alias ".attempts = ($3)[array_position($1, " alias ".id)]"
+#define ACK_WHERE(fence) \
+	"o.id = ANY ($1) AND o.state = 'leased'" fence("o") \
+	" AND (o.key IS NULL OR NOT EXISTS (" \
+	"      SELECT FROM idempotency.outbox e" \
+	"      WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
+	"        AND e.state <> 'published' AND e.published_at IS NULL" \
+	"        AND NOT coalesce(e.id = ANY ($1) AND e.state = 'leased'" fence("e") ", false)))"
+#define NO_FENCE(alias) ""
+
+/*
+ * A nack: the row (if it is leased, under the hand-out that returned it
+ * with the fenced form) is pending again after a backoff, or dead after
+ * its last attempt; the later rows of its key in the same hand-out go back
+ * to pending at once, their hand-out not counted as an attempt (they were
+ * never tried).  The rows of one hand-out of a key share their lease's end
+ * (available_at), which tells them from the rows of any other: a later
+ * hand-out of the key starts after this one's lease ran out, and so ends
+ * later.
+ */
+#define NACK_SQL(fence) \
+	"WITH target AS (" \
+	"  SELECT id, topic, key, available_at FROM idempotency.outbox" \
+	"  WHERE id = $1 AND state = 'leased'" fence \
+	"  FOR UPDATE" \
+	"), nacked AS (" \
+	"  UPDATE idempotency.outbox o" \
+	"  SET state = CASE WHEN o.attempts >= $4 THEN 'dead' ELSE 'pending' END," \
+	"      last_error = $2," \
+	"      available_at = $3 + make_interval(secs => " \
+	BACKOFF_MS_SQL("o.attempts", "$5", "$6") " / 1000.0)" \
+	"  FROM target t WHERE o.id = t.id" \
+	"  RETURNING o.id" \
+	"), released AS (" \
+	"  UPDATE idempotency.outbox o" \
+	"  SET state = 'pending', attempts = greatest(o.attempts - 1, 0), available_at = $3" \
+	"  FROM target t" \
+	"  WHERE o.topic = t.topic AND o.key = t.key AND o.id > t.id" \
+	"    AND o.state = 'leased' AND o.published_at IS NULL AND o.available_at = t.available_at" \
+	"  RETURNING o.id" \
+	")" \
+	" SELECT id FROM nacked"
+
 typedef struct StatementDef
 {
 	const char *sql;
 	int			nargs;
-	Oid			argtypes[6];
+	Oid			argtypes[8];
 	bool		custom_plan;	/* plan for each execution's parameters */
 } StatementDef;
 
 static const StatementDef statements[NUM_STATEMENTS] = {
 	/*
-	 * Lease the ready heads of a topic: rows that no earlier unpublished row
-	 * of the same key holds back, oldest first, skipping rows another relay
-	 * is taking right now.  A leased row whose lease ran out is handed out
-	 * again (one more attempt), or becomes dead if it has had them all.
-	 * $1 topic, $2 batch, $3 lease, $4 now, $5 max attempts.
+	 * The pull API's statements are planned once per backend (a generic
+	 * plan): what they read is bounded by their parameters (a batch, a key,
+	 * a list of ids), not by how large the outbox is, and a plan made for
+	 * each call cost more than the rest of the call.  They share one list of
+	 * parameters (FETCH_* in outbox_sql.h), each using those it needs.
+	 *
+	 * The heads of a topic, in two steps.  First its unpublished rows,
+	 * oldest first, read without a lock through a cursor: the caller walks
+	 * them in id order, so it meets every earlier unpublished row of a key
+	 * (pending, leased, dead) before the key's later rows, and knows a
+	 * key's head as the first row of the key it meets, without a look into
+	 * the key's index per row.  state and published_at say the same of
+	 * every row; both are named so that the partial indexes of 1.0 (on
+	 * state) and of 1.1 (on published_at) both serve.
 	 */
-	[STMT_FETCH] = {
-		"WITH candidate AS ("
-		"  SELECT o.id, o.state = 'leased' AND o.attempts >= $5 AS exhausted"
-		"  FROM idempotency.outbox o"
-		"  WHERE " ONE_TOPIC("$1") " AND o.state IN ('pending', 'leased') AND o.available_at <= $4"
-		"    AND NOT EXISTS (SELECT FROM idempotency.outbox earlier"
-		"                    WHERE earlier.topic = o.topic AND earlier.key = o.key"
-		"                      AND earlier.id < o.id AND earlier.state <> 'published')"
-		"  ORDER BY o.topic, o.id LIMIT $2"
-		"  FOR UPDATE OF o SKIP LOCKED"
-		"), handed_out AS ("
+	[STMT_FETCH_SCAN] = {
+		"SELECT o.id, o.key, o.state IN ('pending', 'leased') AND o.available_at <= $4 AS ready"
+		" FROM idempotency.outbox o"
+		" WHERE " ONE_TOPIC("$1") " AND o.state <> 'published' AND o.published_at IS NULL"
+		" ORDER BY o.topic, o.id",
+		FETCH_NARGS, FETCH_ARGTYPES
+	},
+
+	/*
+	 * Then the ready heads among them ($8), locked, skipping rows another
+	 * relay is taking right now.  A head stays the head of its key: an
+	 * earlier row of a key is never inserted later (enqueuers of a key are
+	 * serialised before their rows get ids), nor is a published row ever
+	 * unpublished again.
+	 */
+	[STMT_FETCH_HEADS] = {
+		"SELECT o.id, o.key, o.state = 'leased' AND o.attempts >= $5 AS exhausted"
+		" FROM idempotency.outbox o"
+		" WHERE o.id = ANY ($8) AND o.state IN ('pending', 'leased')"
+		"   AND o.published_at IS NULL AND o.available_at <= $4"
+		" ORDER BY o.id"
+		" FOR UPDATE OF o SKIP LOCKED",
+		FETCH_NARGS, FETCH_ARGTYPES
+	},
+
+	/*
+	 * The unpublished rows of a key after its head ($7), oldest first, up to
+	 * $2, each saying whether it is ready; the caller takes them up to the
+	 * first that is not.  Locked waiting: no other hand-out can hold them
+	 * while we hold the head, so a lock here is a statement's (an ack, a
+	 * nack) for the moment it runs.
+	 */
+	[STMT_FETCH_FOLLOWERS] = {
+		"SELECT o.id, o.available_at <= $4"
+		"        AND (o.state = 'pending' OR (o.state = 'leased' AND o.attempts < $5)) AS ready"
+		" FROM idempotency.outbox o"
+		" WHERE o.topic = $1 AND o.key = $6 AND o.id > $7"
+		"   AND o.state <> 'published' AND o.published_at IS NULL"
+		" ORDER BY o.id LIMIT $2"
+		" FOR UPDATE OF o",
+		FETCH_NARGS, FETCH_ARGTYPES
+	},
+
+	/*
+	 * Lease the rows chosen ($8), locked by the statements above: one more
+	 * attempt each, until $4 + $3.  A leased row whose lease ran out on its
+	 * last attempt becomes dead instead.  None of the columns written is
+	 * indexed (see the update script), so this is a HOT update where the
+	 * page has room.
+	 */
+	[STMT_FETCH_LEASE] = {
+		"WITH handed_out AS ("
 		"  UPDATE idempotency.outbox o"
-		"  SET state = CASE WHEN c.exhausted THEN 'dead' ELSE 'leased' END,"
-		"      attempts = CASE WHEN c.exhausted THEN o.attempts ELSE o.attempts + 1 END,"
-		"      last_error = CASE WHEN c.exhausted THEN 'lease ran out without acknowledgement'"
-		"                        ELSE o.last_error END,"
+		"  SET state = CASE WHEN o.state = 'leased' AND o.attempts >= $5 THEN 'dead' ELSE 'leased' END,"
+		"      attempts = CASE WHEN o.state = 'leased' AND o.attempts >= $5 THEN o.attempts"
+		"                      ELSE o.attempts + 1 END,"
+		"      last_error = CASE WHEN o.state = 'leased' AND o.attempts >= $5"
+		"                        THEN 'lease ran out without acknowledgement' ELSE o.last_error END,"
 		"      available_at = $4 + $3"
-		"  FROM candidate c"
-		"  WHERE o.id = c.id"
+		"  WHERE o.id = ANY ($8)"
 		"  RETURNING o.*"
 		")"
 		" SELECT * FROM handed_out WHERE state = 'leased' ORDER BY id",
-		5, {TEXTOID, INT4OID, INTERVALOID, TIMESTAMPTZOID, INT4OID}, true
+		FETCH_NARGS, FETCH_ARGTYPES
 	},
 
+	/*
+	 * Acknowledgements: $1 ids, $2 now, $3 attempts (the fenced forms).  A
+	 * row is acknowledged if it is leased (under the hand-out that returned
+	 * it: ACK_FENCE) and every earlier unpublished row of its key is
+	 * acknowledged with it.
+	 */
 	[STMT_ACK_DELETE] = {
-		"DELETE FROM idempotency.outbox WHERE id = ANY ($1) AND state = 'leased'",
-		1, {INT8ARRAYOID}
+		"DELETE FROM idempotency.outbox o WHERE " ACK_WHERE(NO_FENCE),
+		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
 	},
 	[STMT_ACK_KEEP] = {
-		"UPDATE idempotency.outbox SET state = 'published', published_at = $2"
-		" WHERE id = ANY ($1) AND state = 'leased'",
-		2, {INT8ARRAYOID, TIMESTAMPTZOID}
+		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
+		" WHERE " ACK_WHERE(NO_FENCE),
+		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
+	},
+	[STMT_ACK_FENCED_DELETE] = {
+		"DELETE FROM idempotency.outbox o WHERE " ACK_WHERE(ACK_FENCE),
+		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
+	},
+	[STMT_ACK_FENCED_KEEP] = {
+		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
+		" WHERE " ACK_WHERE(ACK_FENCE),
+		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
 	},
 
-	/* $1 id, $2 error, $3 now, $4 max attempts, $5 backoff min, $6 backoff max */
+	/*
+	 * $1 id, $2 error, $3 now, $4 max attempts, $5 backoff min, $6 backoff
+	 * max, $7 attempt (the fenced form).
+	 */
 	[STMT_NACK] = {
-		"UPDATE idempotency.outbox"
-		" SET state = CASE WHEN attempts >= $4 THEN 'dead' ELSE 'pending' END,"
-		"     last_error = $2,"
-		"     available_at = $3 + make_interval(secs => "
-		BACKOFF_MS_SQL("attempts", "$5", "$6") " / 1000.0)"
-		" WHERE id = $1 AND state = 'leased'",
-		6, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID}
+		NACK_SQL(""),
+		7, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID, INT4OID}
+	},
+	[STMT_NACK_FENCED] = {
+		NACK_SQL(" AND attempts = $7"),
+		7, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID, INT4OID}
 	},
 
 	[STMT_REQUEUE] = {

@@ -578,6 +578,29 @@ idem_insert(IdemRelation *rel, Datum *values, bool *nulls)
 }
 
 /*
+ * Insert rows whose primary keys cannot be taken (see idem_insert), as COPY
+ * does: the heap's rows a page at a time (one WAL record per page rather
+ * than per row), then each row's index entries, and one
+ * CommandCounterIncrement for them all.
+ */
+void
+idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls, int nrows)
+{
+	TupleTableSlot **slots = palloc(sizeof(TupleTableSlot *) * Max(nrows, 1));
+
+	for (int i = 0; i < nrows; i++)
+		slots[i] = make_slot(rel, values[i], nulls[i]);
+	table_multi_insert(rel->heap, slots, nrows, GetCurrentCommandId(true), 0, NULL);
+	for (int i = 0; i < nrows; i++)
+	{
+		(void) insert_index_entries(rel, slots[i], UNIQUE_CHECK_YES, false, false);
+		ExecDropSingleTupleTableSlot(slots[i]);
+	}
+	pfree(slots);
+	CommandCounterIncrement();
+}
+
+/*
  * The next outbox id, from the sequence the outbox's id column defaults to.
  * The caller has the outbox open, so an invalidation that dropped or
  * replaced the sequence has been processed and the cached OID forgotten.

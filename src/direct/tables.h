@@ -137,6 +137,8 @@ extern bool idem_row_visible_to_snapshot(IdemRelation *rel,
 
 extern bool idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls);
 extern void idem_insert(IdemRelation *rel, Datum *values, bool *nulls);
+extern void idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls,
+							 int nrows);
 extern int64 idem_outbox_next_id(void);
 extern TM_Result idem_update(IdemRelation *rel, ItemPointer tid,
 							 Datum *values, bool *nulls, bool wait);

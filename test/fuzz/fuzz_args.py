@@ -284,6 +284,32 @@ def hostile_name_arrays():
             "ARRAY['event-1', 'old-1', 'event-1', 'nonexistent']"]
 
 
+def hostile_jsonb_arrays():
+    """jsonb[] for idem_outbox_enqueue_batch's payloads and headers: empty,
+    NULL elements, several dimensions, lower bounds other than 1, non-objects,
+    a hundred thousand elements."""
+    return ["NULL", "'{}'::jsonb[]", "ARRAY[NULL]::jsonb[]", "ARRAY['{}', NULL]::jsonb[]",
+            "ARRAY[['{}'], ['{}']]::jsonb[]", "'[0:1]={\"{}\",\"[]\"}'::jsonb[]",
+            "ARRAY['1', '\"x\"', '[]']::jsonb[]", "array_fill('{}'::jsonb, ARRAY[100000])",
+            "array_fill('{}'::jsonb, ARRAY[2, 2])", "ARRAY[repeat('[', 5000) || repeat(']', 5000)]::jsonb[]"]
+
+
+def hostile_text_arrays():
+    """text[] for enqueue_batch's keys: empty and over-long elements, NULLs,
+    lengths that differ from the payloads', several dimensions."""
+    return ["NULL", "'{}'::text[]", "ARRAY[NULL]::text[]", "ARRAY['']", "ARRAY[repeat('k', 256)]",
+            "ARRAY['a', 'b', 'a']", "ARRAY[['a'], ['b']]", "'[5:5]={a}'::text[]",
+            "array_fill('k'::text, ARRAY[100000])", "ARRAY['a', NULL, repeat('x', 1000000)]"]
+
+
+def hostile_attempt_arrays():
+    """int[] for the fenced ack's attempts: the same shapes as the ids'."""
+    return ["NULL", "'{}'::int[]", "'{NULL}'::int[]", "'{1,1,1}'::int[]", "'{{1,2},{3,4}}'::int[]",
+            "'[0:2]={1,2,3}'::int[]", "'{-2147483648,2147483647,0}'::int[]",
+            "array_fill(1, ARRAY[1000000])",
+            "(SELECT array_agg(attempts) FROM idempotency.outbox)"]
+
+
 def hostile_settings():
     """(setting, value) pairs for set_config(setting, value, true): the
     extension's settings at and past their limits (the outbox ones are the
@@ -396,6 +422,22 @@ def valid_ids(fz, chosen):
     return "ARRAY[%s]" % ", ".join(str(fz.rng.randint(1, 150)) for _ in range(fz.rng.randint(1, 3)))
 
 
+def valid_payloads(fz, chosen):
+    return fz.rng.choice(["ARRAY['{\"n\": 1}', '{\"n\": 2}']::jsonb[]", "ARRAY['{}']::jsonb[]"])
+
+
+def valid_batch_keys(fz, chosen):
+    return fz.rng.choice(["NULL", "ARRAY['a', 'b']", "ARRAY['a']", "ARRAY[NULL, 'a']"])
+
+
+def valid_batch_headers(fz, chosen):
+    return fz.rng.choice(["NULL", "ARRAY['{\"h\": \"v\"}', NULL]::jsonb[]"])
+
+
+def valid_attempts(fz, chosen):
+    return "ARRAY[%s]" % ", ".join(str(fz.rng.randint(0, 3)) for _ in range(fz.rng.randint(1, 3)))
+
+
 Kind = collections.namedtuple("Kind", "sql_type hostile valid")
 
 KINDS = {
@@ -417,6 +459,10 @@ KINDS = {
     "count": Kind("integer", hostile_counts, valid_count),
     "id": Kind("bigint", hostile_ids, valid_id),
     "ids": Kind("bigint[]", hostile_id_arrays, valid_ids),
+    "payloads": Kind("jsonb[]", hostile_jsonb_arrays, valid_payloads),
+    "batch_keys": Kind("text[]", hostile_text_arrays, valid_batch_keys),
+    "batch_headers": Kind("jsonb[]", hostile_jsonb_arrays, valid_batch_headers),
+    "attempts": Kind("integer[]", hostile_attempt_arrays, valid_attempts),
 }
 
 # ---------------------------------------------------------------------------
@@ -454,10 +500,15 @@ FUNCTIONS = [
                                ("headers", "headers")], set()),
     Fn("idem_outbox_route", [("topic", "topic"), ("target", "target"),
                              ("destination", "destination")], set()),
-    Fn("idem_outbox_fetch", [("topic", "topic"), ("batch", "count"), ("lease", "interval")],
+    Fn("idem_outbox_enqueue_batch", [("topic", "topic"), ("payloads", "payloads"),
+                                     ("keys", "batch_keys"), ("headers", "batch_headers")],
        {"from"}),
+    Fn("idem_outbox_fetch", [("topic", "topic"), ("batch", "count"), ("lease", "interval"),
+                             ("per_key", "count")], {"from"}),
     Fn("idem_outbox_ack", [("ids", "ids")], set()),
+    Fn("idem_outbox_ack", [("ids", "ids"), ("attempts", "attempts")], set()),
     Fn("idem_outbox_nack", [("id", "id"), ("error", "text")], set()),
+    Fn("idem_outbox_nack", [("id", "id"), ("error", "text"), ("attempt", "attempt")], set()),
     Fn("idem_outbox_requeue", [("id", "id")], set()),
     Fn("idem_outbox_discard", [("id", "id")], set()),
     Fn("idem_run_maintenance", [], set()),
@@ -936,18 +987,28 @@ class Fuzzer:
                     True, op)
         if op == "enqueue":
             okey = self.rng.choice(["NULL", "'a'", "'b'"])
+            if self.rng.random() < 0.3:
+                return (f"SELECT idempotency.idem_outbox_enqueue_batch('race-t', ARRAY['{{\"n\": {self.counter()}}}',"
+                        f" '{{\"n\": {self.counter()}}}']::jsonb[], ARRAY[{okey}, 'b'])", True, "enqueue")
             return (f"SELECT idempotency.idem_outbox_enqueue('race-t', '{{\"n\": {self.counter()}}}', {okey})",
                     True, "enqueue")
         if op == "fetch":
             batch = self.rng.randint(1, 5)
             lease = self.rng.choice(["'20 ms'", "'1 s'"])
-            return f"SELECT id FROM idempotency.idem_outbox_fetch('race-t', {batch}, {lease})", True, "fetch"
+            per_key = self.rng.choice([1, 1, 2, 4])
+            return (f"SELECT id FROM idempotency.idem_outbox_fetch('race-t', {batch}, {lease}, {per_key})",
+                    True, "fetch")
         if op == "ack":
             ids = ", ".join(str(i) for i in (s.fetched[-3:] or [self.rng.randint(1, 300)]))
+            if self.rng.random() < 0.5:  # fenced, with a guess at each row's attempt
+                attempts = ", ".join(str(self.rng.randint(1, 3)) for _ in ids.split(", "))
+                return (f"SELECT idempotency.idem_outbox_ack(ARRAY[{ids}]::bigint[], ARRAY[{attempts}])",
+                        True, "ack")
             return f"SELECT idempotency.idem_outbox_ack(ARRAY[{ids}]::bigint[])", True, "ack"
         if op == "nack":
             i = s.fetched[-1] if s.fetched else self.rng.randint(1, 300)
-            return f"SELECT idempotency.idem_outbox_nack({i}, 'race failure')", True, "nack"
+            attempt = self.rng.choice(["", ", 1", ", 2"])
+            return f"SELECT idempotency.idem_outbox_nack({i}, 'race failure'{attempt})", True, "nack"
         if op == "dead":
             fn = self.rng.choice(["idem_outbox_requeue", "idem_outbox_discard"])
             return (f"SELECT idempotency.{fn}((SELECT min(id) FROM idempotency.outbox "

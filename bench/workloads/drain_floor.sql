@@ -1,0 +1,2 @@
+WITH leased AS (UPDATE bench_drain o SET state = 'leased', attempts = o.attempts + 1, available_at = now() + interval '30 seconds' WHERE o.topic = 'drain' AND o.id IN (SELECT id FROM bench_drain WHERE topic = 'drain' AND state = 'pending' AND available_at <= now() ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED) RETURNING o.*) SELECT coalesce(array_agg(id), '{}') AS ids FROM leased \gset
+DELETE FROM bench_drain WHERE topic = 'drain' AND id = ANY (:ids::bigint[]);

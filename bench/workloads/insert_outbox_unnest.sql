@@ -1,0 +1,2 @@
+\set k random(1, 1000)
+INSERT INTO bench_outbox (topic, key, payload) SELECT 'bench', k, p FROM unnest(array_fill('{"order_id": 123456, "customer": {"id": 987654, "name": "Alice Example", "email": "alice@example.com"}, "items": [{"sku": "SKU-0001", "qty": 2, "price": 19.99}, {"sku": "SKU-0002", "qty": 1, "price": 5.49}], "total": 45.47, "currency": "EUR", "status": "created", "note": "leave at the door"}'::jsonb, ARRAY[100]), array_fill('order-' || :k, ARRAY[100])) AS u (p, k);

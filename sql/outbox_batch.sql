@@ -1,0 +1,140 @@
+--
+-- outbox_batch: many events in one call (idem_outbox_enqueue_batch), a
+-- key's consecutive rows in one hand-out (idem_outbox_fetch's per_key), and
+-- acknowledgements fenced by the hand-out (idem_outbox_ack(ids, attempts),
+-- idem_outbox_nack(id, error, attempt)).
+--
+SET search_path = idempotency, public;
+
+-- The ids come back in array order, and rows of one key keep the array's
+-- order; keys and headers are optional, element by element.
+SELECT array_agg(id) AS ids FROM idem_outbox_enqueue_batch('batch',
+	ARRAY['{"n": 1}', '{"n": 2}', '{"n": 3}', '{"n": 4}', '{"n": 5}']::jsonb[],
+	ARRAY['a', 'b', 'a', NULL, 'a'],
+	ARRAY['{"h": 1}', NULL, NULL, NULL, '{"h": 5}']::jsonb[]) AS e(id) \gset
+SELECT id = (:'ids'::bigint[])[n] AS in_array_order, key, payload, headers, state, attempts
+FROM outbox o
+JOIN generate_series(1, 5) n ON o.id = (:'ids'::bigint[])[n]
+ORDER BY n;
+-- without keys and headers; an empty array enqueues nothing
+SELECT count(*) AS enqueued FROM idem_outbox_enqueue_batch('batch-none', ARRAY['{}', '{}']::jsonb[]);
+SELECT count(*) AS enqueued FROM idem_outbox_enqueue_batch('batch-none', ARRAY[]::jsonb[]);
+SELECT count(*) AS rows_of_batch_none FROM outbox WHERE topic = 'batch-none' AND key IS NULL AND headers IS NULL;
+
+-- An event exists if and only if its transaction commits.
+BEGIN;
+SELECT count(*) AS enqueued FROM idem_outbox_enqueue_batch('rolled-back', ARRAY['{}']::jsonb[], ARRAY['k']);
+ROLLBACK;
+SELECT count(*) AS after_rollback FROM outbox WHERE topic = 'rolled-back';
+
+-- Bad arguments: an ERROR of class 22, and nothing written.
+SELECT count(*) AS rows_before FROM outbox \gset
+SELECT idem_outbox_enqueue_batch('batch', ARRAY['{}', NULL]::jsonb[]);
+\echo :SQLSTATE
+SELECT idem_outbox_enqueue_batch('batch', NULL);
+\echo :SQLSTATE
+SELECT idem_outbox_enqueue_batch('batch', ARRAY['{}', '{}']::jsonb[], ARRAY['k']);
+\echo :SQLSTATE
+SELECT idem_outbox_enqueue_batch('batch', ARRAY['{}', '{}']::jsonb[], NULL, ARRAY['{}']::jsonb[]);
+\echo :SQLSTATE
+SELECT idem_outbox_enqueue_batch('batch', ARRAY['{}', '{}']::jsonb[], ARRAY['k', '']);
+\echo :SQLSTATE
+SELECT idem_outbox_enqueue_batch('batch', ARRAY['{}', '{}']::jsonb[], ARRAY['k', repeat('k', 256)]);
+\echo :SQLSTATE
+SELECT idem_outbox_enqueue_batch('batch', ARRAY['{}', '{}']::jsonb[], NULL, ARRAY['{}', '[1]']::jsonb[]);
+\echo :SQLSTATE
+SELECT idem_outbox_enqueue_batch('batch', ARRAY[['{}'], ['{}']]::jsonb[]);
+\echo :SQLSTATE
+SELECT idem_outbox_enqueue_batch('*', ARRAY['{}']::jsonb[]);
+\echo :SQLSTATE
+SELECT idem_outbox_enqueue_batch(NULL, ARRAY['{}']::jsonb[]);
+\echo :SQLSTATE
+SELECT count(*) = :rows_before AS nothing_written FROM outbox;
+TRUNCATE outbox RESTART IDENTITY;
+
+-- per_key: up to per_key consecutive ready rows of one key in one
+-- hand-out, in id order, all leased to the caller.  The batch goes to the
+-- keys' heads first; the room left to the rows that follow them.
+SELECT count(*) FROM idem_outbox_enqueue_batch('orders',
+	array_fill('{}'::jsonb, ARRAY[9]),
+	ARRAY['a', 'a', 'a', 'a', 'b', 'b', NULL, 'a', 'c']);
+SELECT id, key, state, attempts FROM idem_outbox_fetch('orders', 5, '1 hour', 3);
+-- the rest of the topic: a's fourth row waits behind the leased ones
+SELECT id, key FROM idem_outbox_fetch('orders', 10, '1 hour', 3);
+-- per_key = 1 (the default) is one row per key, as before
+SELECT idem_outbox_ack(array_agg(id ORDER BY id)) AS acknowledged FROM outbox WHERE state = 'leased';
+SELECT count(*) FROM idem_outbox_enqueue_batch('orders', array_fill('{}'::jsonb, ARRAY[3]), ARRAY['d', 'd', 'd']);
+SELECT key, count(*) AS rows_handed_out FROM idem_outbox_fetch('orders', 10) GROUP BY key ORDER BY key;
+
+-- A row not ready ends its key's hand-out: here, the third row of e is
+-- backing off after a failure (as rows do after a requeue with a delay).
+TRUNCATE outbox;
+SELECT array_agg(id) AS e_ids FROM idem_outbox_enqueue_batch('gaps',
+	array_fill('{}'::jsonb, ARRAY[4]), ARRAY['e', 'e', 'e', 'e']) AS e(id) \gset
+UPDATE outbox SET available_at = now() + interval '1 hour' WHERE id = (:'e_ids'::bigint[])[3];
+SELECT id = ANY ((:'e_ids'::bigint[])[1:2]) AS first_two FROM idem_outbox_fetch('gaps', 10, '1 hour', 10);
+
+-- Acknowledging: a row only together with or after every earlier row of its
+-- key.  Acknowledging the second row alone counts nothing; the two together,
+-- both.
+SELECT idem_outbox_ack(ARRAY[(:'e_ids'::bigint[])[2]]) AS second_alone;
+SELECT state FROM outbox WHERE id = (:'e_ids'::bigint[])[2];
+SELECT idem_outbox_ack(ARRAY[(:'e_ids'::bigint[])[2], (:'e_ids'::bigint[])[1]]) AS both;
+
+-- Fenced acknowledgements act only on rows still leased under the hand-out
+-- that returned them: attempts as fetched.
+TRUNCATE outbox;
+SELECT count(*) FROM idem_outbox_enqueue_batch('fenced', array_fill('{}'::jsonb, ARRAY[3]), ARRAY['f', 'f', 'f']);
+CREATE TEMP TABLE first_handout AS SELECT id, attempts FROM idem_outbox_fetch('fenced', 10, '1 hour', 3);
+SELECT array_agg(attempts ORDER BY id) AS attempts FROM first_handout;
+-- (time passes: the lease runs out, and another relay takes the rows)
+UPDATE outbox SET available_at = now() - interval '1 second' WHERE topic = 'fenced';
+CREATE TEMP TABLE second_handout AS SELECT id, attempts FROM idem_outbox_fetch('fenced', 10, '1 hour', 3);
+SELECT array_agg(attempts ORDER BY id) AS attempts FROM second_handout;
+-- the first relay's acknowledgement and nack are refused; the second's count
+SELECT idem_outbox_ack(array_agg(id ORDER BY id), array_agg(attempts ORDER BY id)) AS stale_ack
+FROM first_handout;
+SELECT idem_outbox_nack(min(id), 'stale', min(attempts)) AS stale_nack FROM first_handout;
+SELECT count(*) AS still_leased FROM outbox WHERE topic = 'fenced' AND state = 'leased';
+SELECT idem_outbox_ack(array_agg(id ORDER BY id), array_agg(attempts ORDER BY id)) AS current_ack
+FROM second_handout;
+-- unknown ids and null attempts count nothing
+SELECT idem_outbox_ack(ARRAY[999, NULL]::bigint[], ARRAY[1, NULL]) AS nothing;
+SELECT idem_outbox_ack(ARRAY[]::bigint[], ARRAY[]::int[]) AS empty;
+
+-- A nack of a row of a hand-out puts the later rows of that hand-out back
+-- to pending at once, their hand-out not counted as an attempt; the nacked
+-- row backs off, holding its key.  The earlier rows stay leased.
+TRUNCATE outbox;
+SELECT array_agg(id) AS g_ids FROM idem_outbox_enqueue_batch('nacks',
+	array_fill('{}'::jsonb, ARRAY[4]), ARRAY['g', 'g', 'g', 'g']) AS e(id) \gset
+SELECT array_agg(attempts ORDER BY id) AS attempts FROM idem_outbox_fetch('nacks', 10, '1 hour', 4);
+SELECT idem_outbox_nack((:'g_ids'::bigint[])[2], 'broker down', 0) AS wrong_attempt;
+SELECT idem_outbox_nack((:'g_ids'::bigint[])[2], 'broker down', 1) AS nacked;
+SELECT id = (:'g_ids'::bigint[])[n] AS in_order, state, attempts, last_error,
+       available_at > now() AS backing_off
+FROM outbox o JOIN generate_series(1, 4) n ON o.id = (:'g_ids'::bigint[])[n] ORDER BY n;
+SELECT count(*) AS ready_behind_the_nacked_row FROM idem_outbox_fetch('nacks', 10, '1 hour', 4);
+-- the first row is acknowledged alone; the later ones wait for the second
+SELECT idem_outbox_ack(ARRAY[(:'g_ids'::bigint[])[1]], ARRAY[1]) AS first_acknowledged;
+-- the unfenced nack (1.0) puts the later rows back too
+UPDATE outbox SET available_at = now() WHERE id = (:'g_ids'::bigint[])[2];
+SELECT array_agg(attempts ORDER BY id) AS attempts FROM idem_outbox_fetch('nacks', 10, '1 hour', 4);
+SELECT idem_outbox_nack((:'g_ids'::bigint[])[2], 'again') AS nacked_unfenced;
+SELECT array_agg(state ORDER BY id) AS states, array_agg(attempts ORDER BY id) AS attempts
+FROM outbox WHERE topic = 'nacks';
+
+-- Bad arguments of the new forms.
+SELECT idem_outbox_fetch('orders', 10, '1 hour', 0);
+\echo :SQLSTATE
+SELECT idem_outbox_fetch('orders', 10, '1 hour', NULL);
+\echo :SQLSTATE
+SELECT idem_outbox_ack(ARRAY[1, 2]::bigint[], ARRAY[1]);
+\echo :SQLSTATE
+SELECT idem_outbox_ack(ARRAY[1]::bigint[], NULL);
+\echo :SQLSTATE
+SELECT idem_outbox_ack(NULL, ARRAY[1]);
+\echo :SQLSTATE
+SELECT idem_outbox_nack(1, 'x', NULL);
+\echo :SQLSTATE
+TRUNCATE outbox;
