@@ -203,6 +203,27 @@ is($node->safe_psql('old', q{
 	'at 1.1: every function works');
 $node->safe_psql('old', "SELECT idempotency.idem_complete('s', 'held', 201, 'done')");
 
+# At 1.1, what 1.1 adds for events and the outbox: batch marks and looks,
+# the batch enqueue, a key's rows in one hand-out, the fenced acknowledgement
+# (once: the second finds nothing leased).
+is($node->safe_psql('old', q{
+		SET search_path = idempotency;
+		SELECT string_agg(id, ',')
+		FROM idem_mark_processed_batch('c', ARRAY['evt-4', 'evt-5', 'evt-5', 'evt-6']) AS id;
+		SELECT string_agg(id, ',')
+		FROM idem_is_processed_batch('c', ARRAY['evt-6', 'evt-7', 'evt-1']) AS id;
+		SELECT idem_outbox_route('pulled', 'none');
+		SELECT count(*) FROM idem_outbox_enqueue_batch('pulled',
+			ARRAY['{"n": 1}', '{"n": 2}', '{"n": 3}']::jsonb[], ARRAY['k', 'k', 'k']);
+		CREATE TEMP TABLE handed AS
+			SELECT id, attempts FROM idem_outbox_fetch('pulled', 10, '1 hour', per_key => 3);
+		SELECT count(*) FROM handed;
+		SELECT idem_outbox_ack(array_agg(id ORDER BY id), array_agg(attempts ORDER BY id)) FROM handed;
+		SELECT idem_outbox_ack(array_agg(id ORDER BY id), array_agg(attempts ORDER BY id)) FROM handed;
+	}),
+	"evt-5,evt-6\nevt-6,evt-1\n\n3\n3\n3\n0",
+	'at 1.1: batch marks, batch enqueue, per-key fetch and fenced acknowledgement work');
+
 # The grants on 1.0's idem_claim are on the new one, by the same grantors.
 is($node->safe_psql('old', q{
 		SELECT array_to_string(array_agg(a.grantee::regrole || ' by ' || a.grantor::regrole
