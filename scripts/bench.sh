@@ -23,4 +23,6 @@ trap 'exit 1' INT TERM HUP
 cp -R bench "$copy/"
 [ "$(id -u)" -eq 0 ] && chown -R "$RUN_AS" "$copy"
 cd "$copy"
-python3 bench/run.py
+# Debian's python3, for which deps.sh installs psycopg (the wait part
+# needs it), not whatever python3 comes first on the PATH
+/usr/bin/python3 bench/run.py
