@@ -56,31 +56,16 @@ if [ -n "$(in_root)" ] ||
 	exit 1
 fi
 
-mounted=()
 child=
 cleanup() {
-	local pid i
 	[ -n "$child" ] && kill "$child" 2>/dev/null
 	# only this script has started anything there since the check above
-	for pid in $(in_root); do kill -KILL "$pid" 2>/dev/null || true; done
-	for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
-		# a process killed just now may not have let go yet: detach it then
-		umount "${mounted[i]}" 2>/dev/null || umount --lazy "${mounted[i]}"
-	done
-	return 0
+	release_chroot "$root"
 }
 trap cleanup EXIT
 trap 'exit 1' INT TERM HUP
 
-mount_in() {
-	mount "$@"
-	mounted+=("${*: -1}")
-}
-mount_in -t proc proc "$root/proc"
-mount_in --bind /sys "$root/sys"
-mount_in --bind /dev "$root/dev"
-mount_in --bind /dev/pts "$root/dev/pts"
-mount_in -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"
+mount_chroot "$root"
 configure_chroot "$root" "$release"
 copy_checkout "$root/root/idempotency-bench"
 

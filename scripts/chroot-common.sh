@@ -25,6 +25,35 @@ in_chroot() {
 		DEBIAN_FRONTEND=noninteractive "$@" /bin/bash -c "$command"
 }
 
+# mount_chroot ROOT: what the servers and tools inside need: proc, sys,
+# /dev, /dev/pts and a tmpfs on /dev/shm (the servers' dynamic shared
+# memory); release_chroot unmounts them
+mount_chroot() {
+	local dir=$1
+	mount -t proc proc "$dir/proc"
+	mount --bind /sys "$dir/sys"
+	mount --bind /dev "$dir/dev"
+	mount --bind /dev/pts "$dir/dev/pts"
+	mount -t tmpfs -o mode=1777 tmpfs "$dir/dev/shm"
+}
+
+# release_chroot ROOT: end what runs in the chroot (only the calling script
+# starts anything there) and unmount everything under it, innermost first.
+release_chroot() {
+	local dir=$1 proc mounts mount
+	for proc in /proc/[0-9]*; do
+		if [ "$(readlink "$proc/root" 2>/dev/null)" = "$dir" ]; then
+			kill -KILL "${proc#/proc/}" 2>/dev/null || true # gone meanwhile
+		fi
+	done
+	mounts=$(awk -v dir="$dir" '$2 == dir || index($2, dir "/") == 1 { print $2 }' /proc/self/mounts | tac)
+	for mount in $mounts; do
+		# a process killed just now may not have let go yet: detach it then
+		umount "$mount" 2>/dev/null || umount --lazy "$mount"
+	done
+	return 0
+}
+
 # configure_chroot ROOT SUITE: with proc, sys and /dev mounted already
 configure_chroot() {
 	local dir=$1 suite=$2

@@ -68,23 +68,6 @@ cache=$(realpath "$cache")
 root= # the chroot in use, for cleanup
 child= # the step running in the background
 
-# End what runs in the chroot (only this script starts anything there) and
-# unmount everything under it, innermost first.
-release_chroot() {
-	local dir=$1 proc mounts mount
-	for proc in /proc/[0-9]*; do
-		if [ "$(readlink "$proc/root" 2>/dev/null)" = "$dir" ]; then
-			kill -KILL "${proc#/proc/}" 2>/dev/null || true # gone meanwhile
-		fi
-	done
-	mounts=$(awk -v dir="$dir" '$2 == dir || index($2, dir "/") == 1 { print $2 }' /proc/self/mounts | tac)
-	for mount in $mounts; do
-		# a process killed just now may not have let go yet: detach it then
-		umount "$mount" 2>/dev/null || umount --lazy "$mount"
-	done
-	return 0
-}
-
 cleanup() {
 	[ -n "$child" ] && kill "$child" 2>/dev/null
 	[ -n "$root" ] && release_chroot "$root"
@@ -124,11 +107,7 @@ setup_chroot() {
 	local suite=$1
 	make_chroot "$suite"
 
-	mount -t proc proc "$root/proc"
-	mount --bind /sys "$root/sys"
-	mount --bind /dev "$root/dev"
-	mount --bind /dev/pts "$root/dev/pts"
-	mount -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"
+	mount_chroot "$root"
 
 	configure_chroot "$root" "$suite"
 	copy_checkout "$root/root/idempotency"
