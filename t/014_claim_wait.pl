@@ -33,6 +33,9 @@ $node->init;
 $node->append_conf('postgresql.conf', qq{
 shared_preload_libraries = 'idempotency'
 max_connections = 60
+max_prepared_transactions = 2
+# the purge that wakes a waiter below is the test's, not the worker's
+idempotency.purge_interval = '1d'
 });
 $node->start;
 
@@ -178,6 +181,63 @@ for my $round (1 .. 2)
 is($node->safe_psql('postgres',
 		"SELECT outcome FROM idempotency.idem_claim('wait', 'k11', wait => '1 min')"),
 	'replay', 'a completed key replays at once');
+
+# Changes that name no key still wake the waiters of the database at once:
+# COMMIT PREPARED and ROLLBACK PREPARED from another session, and a purge
+# of expired keys.  Each waiter waits a minute under a statement_timeout
+# of 5 s, less than the 10 s after which a waiter looks again unwoken: an
+# answer rather than a cancel is one that a wake-up brought.
+sub waiter_answer
+{
+	my ($key, $end_it) = @_;
+	my $waiter = $node->background_psql('postgres');
+	$waiter->query_until(qr/sent/, qq{\\echo sent
+SET statement_timeout = '5s';
+SELECT 'answer:' || outcome FROM idempotency.idem_claim('wait', '$key', wait => '1 min');
+});
+	$node->poll_query_until('postgres', qq{
+		SELECT count(*) = 1 FROM pg_stat_activity
+		WHERE backend_type = 'client backend' AND wait_event_type = 'Extension'
+		  AND query LIKE '%$key%'})
+	  or die "the waiter of $key did not sleep";
+	$end_it->();
+	my ($answer) = $waiter->query('SELECT 1');
+	$answer .= $waiter->{stderr};
+	$waiter->quit;
+	return $answer =~ /answer:(\w+)/ ? $1 : $answer;
+}
+
+my $preparer = $node->background_psql('postgres');
+$preparer->query_safe(qq{
+	BEGIN;
+	SELECT idempotency.idem_claim('wait', 'prepared-commit');
+	SELECT idempotency.idem_complete('wait', 'prepared-commit', 201, 'done');
+	PREPARE TRANSACTION 'commit me';
+	BEGIN;
+	SELECT idempotency.idem_claim('wait', 'prepared-rollback');
+	PREPARE TRANSACTION 'roll me back';
+});
+$preparer->quit;
+is(waiter_answer('prepared-commit', sub { $node->safe_psql('postgres', "COMMIT PREPARED 'commit me'") }),
+	'replay', 'COMMIT PREPARED from another session wakes the waiter: it replays');
+is(waiter_answer('prepared-rollback', sub { $node->safe_psql('postgres', "ROLLBACK PREPARED 'roll me back'") }),
+	'claimed', 'ROLLBACK PREPARED from another session wakes the waiter: it claims');
+
+# a completed key whose response expired, deleted by a purge that commits
+# while the waiter sleeps (idem_run_maintenance() purges in the caller's
+# transaction, so the deletion is in flight until it commits)
+$node->safe_psql('postgres', qq{
+	SELECT idempotency.idem_claim('wait', 'purged', ttl => '1 ms');
+	SELECT idempotency.idem_complete('wait', 'purged', 201, 'done');
+});
+$node->poll_query_until('postgres',
+	"SELECT expires_at < now() FROM idempotency.keys WHERE scope = 'wait' AND key = 'purged'")
+  or die "the key did not expire";
+my $purger = $node->background_psql('postgres');
+$purger->query_safe('BEGIN; SELECT purged_keys FROM idempotency.idem_run_maintenance()');
+is(waiter_answer('purged', sub { $purger->query_safe('COMMIT') }),
+	'claimed', 'a purge that deleted the expired key wakes its waiter: it claims');
+$purger->quit;
 
 # One wait slot per partition (16 in all): 32 waiters, each on a key of
 # its own, crowd some partitions; those without a slot poll.

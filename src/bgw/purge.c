@@ -68,6 +68,7 @@
 #include "direct/outbox_sql.h"
 #include "direct/table_check.h"
 #include "direct/tables.h"
+#include "infra/claim_wait.h"
 #include "infra/guc.h"
 #include "infra/shmem.h"
 
@@ -320,6 +321,9 @@ purge_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 									  &cursor->next_block[unit],
 									  &cursor->to_prune[unit][1]);
 			more = cursor->next_block[unit] != InvalidBlockNumber;
+			/* a claim that found one of them being deleted waits for this */
+			if (unit == UNIT_PURGE_KEYS && done > 0)
+				claim_wait_all_changed();
 			break;
 		case UNIT_PURGE_OUTBOX:
 			done = outbox_purge_published(now, idem_purge_batch_size);

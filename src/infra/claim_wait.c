@@ -52,9 +52,14 @@
  * spin delays of a millisecond and more.  Here a woken waiter that has its
  * answer touches no lock at all; one that must wait again registers anew.
  *
- * RECHECK_MS bounds a sleep that nothing announces: a prepared transaction
- * committed by another session, a key changed by plain SQL, the purge of an
- * expired row that a claim found being deleted.
+ * Changes that name no key wake every waiter of the database
+ * (claim_wait_all_changed): COMMIT PREPARED and ROLLBACK PREPARED, from the
+ * utility hook, since a prepared transaction's keys were forgotten at its
+ * PREPARE; and a purge that deleted expired keys, one of which a claim may
+ * have found being deleted.  RECHECK_MS bounds a sleep that nothing
+ * announces: a key changed by plain SQL.  It is long because a thousand
+ * parked waiters that each looked again every second would cost unrelated
+ * claims a thousand probes a second.
  *
  *-------------------------------------------------------------------------
  */
@@ -86,7 +91,7 @@
 #define POLL_MS				10
 
 /* The longest sleep between two looks at the key. */
-#define RECHECK_MS			1000
+#define RECHECK_MS			10000
 
 /* Keys a transaction remembers one by one; past that, it wakes them all. */
 #define MAX_CHANGED_KEYS	64
@@ -558,7 +563,7 @@ claim_wait_xact_callback(XactEvent event, void *arg)
 			forget_changed_keys();
 			break;
 		case XACT_EVENT_PREPARE:
-			/* COMMIT PREPARED comes from elsewhere: RECHECK_MS finds it */
+			/* COMMIT PREPARED comes from elsewhere: the utility hook wakes all */
 			forget_changed_keys();
 			break;
 		default:
@@ -600,6 +605,21 @@ register_callbacks(void)
 	RegisterSubXactCallback(claim_wait_subxact_callback, NULL);
 	before_shmem_exit(leave_slot_at_exit, (Datum) 0);
 	callbacks_registered = true;
+}
+
+/*
+ * This transaction may have changed any key of the database, without
+ * saying which: COMMIT PREPARED or ROLLBACK PREPARED of a transaction that
+ * claimed, or the purge of expired keys.  Its end wakes every waiter of
+ * the database, who look at their keys again.
+ */
+void
+claim_wait_all_changed(void)
+{
+	if (wait_shared == NULL)
+		return;
+	register_callbacks();
+	changed_keys_overflowed = true;
 }
 
 /*

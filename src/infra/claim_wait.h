@@ -44,5 +44,6 @@ extern void claim_wait_end(ClaimWait *wait);
  * transaction (or the subtransaction that changed it) ends.
  */
 extern void claim_wait_key_changed(text *scope, text *key);
+extern void claim_wait_all_changed(void);
 
 #endif							/* IDEMPOTENCY_CLAIM_WAIT_H */

@@ -439,6 +439,13 @@ process_utility(PlannedStmt *pstmt, const char *queryString, bool readOnlyTree,
 			register_xact_callback();
 			wake_launcher_at_commit = true;
 		}
+		else if (IsA(statement, TransactionStmt) &&
+				 (((TransactionStmt *) statement)->kind == TRANS_STMT_COMMIT_PREPARED ||
+				  ((TransactionStmt *) statement)->kind == TRANS_STMT_ROLLBACK_PREPARED))
+		{
+			/* its claims are decided now; which keys it changed, we cannot tell */
+			claim_wait_all_changed();
+		}
 		else if (IsA(statement, DropdbStmt))
 			pause_worker(((DropdbStmt *) statement)->dbname);
 		else if (IsA(statement, RenameStmt) &&
