@@ -11,6 +11,15 @@
 # extension installed in PG_CONFIG's server); as root it installs valgrind
 # when missing.
 #
+# With the argument "batch" it counts the batch forms instead, an event
+# each: idem_mark_processed_batch of 500 new ids a call against its
+# references, the INSERT ... SELECT unnest(...) ON CONFLICT DO NOTHING
+# RETURNING of the same rows and 500 single calls; N calls of 500 ids for
+# N = 2 and 6, the difference over 2,000 ids.  The bench's
+# mark_batch_vs_single ratio is near the single call's count over the
+# batch's, plus the round trips that the single calls pay and a
+# single-user server does not.
+#
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -58,7 +67,42 @@ count() {
 		$(((ir[1] - ir[0]) / 1000)) $((wal / 1500))
 }
 
+# batch_calls STATEMENT N: N executions of a statement of 500 new ids ($1
+# prefixes them), as single-user mode reads them
+batch_calls() {
+	local statement=$1 n=$2
+	echo "PREPARE s(text) AS $statement;"
+	echo "CREATE TEMP TABLE wal AS SELECT pg_current_wal_insert_lsn() AS lsn;"
+	for ((k = 1; k <= n; k++)); do echo "EXECUTE s('$n-$k');"; done
+	echo "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), lsn) AS wal_bytes FROM wal;"
+}
+
+# count_batch LABEL STATEMENT: prints instructions and WAL bytes per id
+count_batch() {
+	local label=$1 statement=$2 n ir=() wal
+	for n in 2 6; do
+		batch_calls "$statement" $n >"$dir/in"
+		chmod 644 "$dir/in"
+		single valgrind --tool=callgrind --callgrind-out-file="$dir/callgrind.out" \
+			<"$dir/in" >"$dir/out" 2>"$dir/err"
+		ir+=("$(sed -n 's/.*Collected : \([0-9]*\).*/\1/p' "$dir/err")")
+		wal=$(sed -n 's/.*wal_bytes = "\([0-9]*\)".*/\1/p' "$dir/out")
+	done
+	[ -n "${BENCH_CALLGRIND_KEEP:-}" ] && cp "$dir/callgrind.out" "$BENCH_CALLGRIND_KEEP.$(echo "$label" | tr -c 'a-z0-9\n' _)"
+	printf '%-44s %8d instructions, %4d WAL bytes an id\n' "$label" \
+		$(((ir[1] - ir[0]) / 2000)) $((wal / 3000))
+}
+
 echo "PostgreSQL $("$PG_CONFIG" --version | awk '{ print $2 }'), callgrind, postgres --single"
+if [ "${1:-}" = batch ]; then
+	ids="ARRAY(SELECT \$1 || '-' || g FROM generate_series(1, 500) g)"
+	count_batch "idem_mark_processed_batch of 500" \
+		"SELECT count(*) FROM idempotency.idem_mark_processed_batch('bench', $ids)"
+	count_batch "INSERT ... SELECT unnest(500) ... RETURNING" \
+		"WITH i AS (INSERT INTO bench_events SELECT 'bench', e, now(), now() + interval '14 days' FROM unnest($ids) AS e ON CONFLICT DO NOTHING RETURNING event_id) SELECT count(*) FROM i"
+	count "idem_mark_processed (single, for the ratio)" "SELECT idempotency.idem_mark_processed('bench', \$1)"
+	exit 0
+fi
 count "idem_mark_processed" "SELECT idempotency.idem_mark_processed('bench', \$1)"
 count "INSERT ... ON CONFLICT DO NOTHING RETURNING" \
 	"INSERT INTO bench_events VALUES ('bench', \$1, now(), now() + interval '14 days') ON CONFLICT DO NOTHING RETURNING true"

@@ -75,10 +75,22 @@ event_expired(HeapTuple tuple, TupleDesc desc, TimestampTz now)
  * descends the primary key once per event instead of twice; a redelivered
  * batch pays for one wasted insertion (a dead row version, as a lost race
  * leaves) before it looks first.
+ *
+ * *clock is the mark's time and the row's expiry: read (and the retention
+ * added, a calendar computation) on first use, and kept for the caller's
+ * next events, so that a batch reads the clock once; after a wait it is read
+ * again.
  */
+typedef struct MarkClock
+{
+	bool		valid;
+	TimestampTz now;
+	TimestampTz expires_at;		/* now + retention */
+} MarkClock;
+
 static bool
 mark_event(IdemRelation *rel, text *consumer, text *event_id,
-		   const Interval *retention, bool *assume_new)
+		   const Interval *retention, bool *assume_new, MarkClock *clock)
 {
 	Datum		pkey[2] = {PointerGetDatum(consumer), PointerGetDatum(event_id)};
 
@@ -103,15 +115,23 @@ mark_event(IdemRelation *rel, text *consumer, text *event_id,
 				SpeculativeInsertionWait(found.inserting_xid, found.speculative_token);
 			else
 				XactLockTableWait(found.inserting_xid, rel->heap, NULL, XLTW_InsertIndexUnique);
+			clock->valid = false;
 			continue;
 		}
 		if (found.outcome == PROBE_FOUND && found.being_modified)
 		{
 			XactLockTableWait(found.modifying_xid, rel->heap, &found.tid, XLTW_Update);
+			clock->valid = false;
 			continue;
 		}
 
-		now = GetCurrentTimestamp();
+		if (!clock->valid)
+		{
+			clock->now = GetCurrentTimestamp();
+			clock->expires_at = idem_timestamp_plus(clock->now, retention);
+			clock->valid = true;
+		}
+		now = clock->now;
 		if (found.outcome == PROBE_FOUND &&
 			!event_expired(found.tuple, RelationGetDescr(rel->heap), now))
 			return false;
@@ -119,8 +139,7 @@ mark_event(IdemRelation *rel, text *consumer, text *event_id,
 		values[Anum_events_consumer - 1] = PointerGetDatum(consumer);
 		values[Anum_events_event_id - 1] = PointerGetDatum(event_id);
 		values[Anum_events_processed_at - 1] = TimestampTzGetDatum(now);
-		values[Anum_events_expires_at - 1] =
-			TimestampTzGetDatum(idem_timestamp_plus(now, retention));
+		values[Anum_events_expires_at - 1] = TimestampTzGetDatum(clock->expires_at);
 
 		if (found.outcome == PROBE_ABSENT)
 		{
@@ -169,11 +188,12 @@ idem_mark_processed(PG_FUNCTION_ARGS)
 											  (int64) idem_event_retention_s * 1000);
 	IdemRelation rel;
 	bool		assume_new = false;
+	MarkClock	clock = {false};
 	bool		first_time;
 
 	idem_require_writable("idem_mark_processed()");
 	idem_relation_open(&rel, IDEM_TABLE_EVENTS, RowExclusiveLock);
-	first_time = mark_event(&rel, consumer, event_id, retention, &assume_new);
+	first_time = mark_event(&rel, consumer, event_id, retention, &assume_new, &clock);
 	idem_relation_close(&rel);
 
 	PG_RETURN_BOOL(first_time);
@@ -319,9 +339,12 @@ event_batch_answer(FunctionCallInfo fcinfo, EventBatch *batch, text *consumer,
 														ALLOCSET_SMALL_SIZES);
 		TimestampTz now = GetCurrentTimestamp();
 		bool		assume_new = true;
+		MarkClock	clock = {false};
 
 		idem_relation_open(&rel, IDEM_TABLE_EVENTS,
 						   mark ? RowExclusiveLock : AccessShareLock);
+		if (mark)
+			idem_batch_begin(&rel);
 		for (int i = 0; i < batch->ndistinct; i++)
 		{
 			int			pos = batch->order[i];
@@ -331,11 +354,13 @@ event_batch_answer(FunctionCallInfo fcinfo, EventBatch *batch, text *consumer,
 			CHECK_FOR_INTERRUPTS();
 			oldcontext = MemoryContextSwitchTo(per_event);
 			batch->answer[pos] = mark ?
-				mark_event(&rel, consumer, event_id, retention, &assume_new) :
+				mark_event(&rel, consumer, event_id, retention, &assume_new, &clock) :
 				event_processed(&rel, consumer, event_id, now);
 			MemoryContextSwitchTo(oldcontext);
 			MemoryContextReset(per_event);
 		}
+		if (mark)
+			idem_batch_end(&rel);
 		idem_relation_close(&rel);
 		MemoryContextDelete(per_event);
 	}

@@ -291,6 +291,9 @@ open_all_indexes(IdemRelation *rel)
 void
 idem_relation_close(IdemRelation *rel)
 {
+	Assert(!rel->in_batch);
+	if (rel->batch_slot != NULL)
+		ExecDropSingleTupleTableSlot(rel->batch_slot);
 	if (rel->estate != NULL)
 		FreeExecutorState(rel->estate);
 	/* the locks are kept until the end of the transaction, as the executor does */
@@ -529,6 +532,52 @@ insert_index_entries(IdemRelation *rel, TupleTableSlot *slot,
 }
 
 /*
+ * A batch of insertions in one call (idem_mark_processed_batch's): until
+ * idem_batch_end, idem_insert_unique forms each row's heap tuple into one
+ * slot for every row instead of making a slot each (which the heap copied
+ * the row out of once more), takes one speculative insertion token for the whole
+ * batch instead of one per row (a lock manager round each), and leaves
+ * the CommandCounterIncrement to the end, as a multi-row INSERT does: the
+ * batch's rows have distinct keys, and the dirty snapshot of a probe sees
+ * this transaction's rows whatever their command id.
+ *
+ * Holding the token longer changes only how long a concurrent inserter of
+ * one of the batch's keys that met the row half-inserted waits before it
+ * looks again: until the batch ends rather than until that row is
+ * confirmed.  It then waits for our transaction, as it would have anyway;
+ * the lock manager sees both waits, so a cycle is a deadlock it reports,
+ * never a hang.
+ */
+void
+idem_batch_begin(IdemRelation *rel)
+{
+	Assert(!rel->in_batch);
+	rel->in_batch = true;
+	rel->batch_token = 0;
+	rel->batch_wrote = false;
+	if (rel->batch_slot == NULL)
+	{
+		MemoryContext oldcontext = MemoryContextSwitchTo(rel->mcxt);
+
+		rel->batch_slot = MakeSingleTupleTableSlot(RelationGetDescr(rel->heap),
+												   &TTSOpsHeapTuple);
+		MemoryContextSwitchTo(oldcontext);
+	}
+}
+
+void
+idem_batch_end(IdemRelation *rel)
+{
+	Assert(rel->in_batch);
+	if (rel->batch_token != 0)
+		SpeculativeInsertionLockRelease(rel->batch_xid);
+	if (rel->batch_wrote)
+		CommandCounterIncrement();
+	rel->in_batch = false;
+	rel->batch_token = 0;
+}
+
+/*
  * Insert a row unless its primary key is taken, without ever waiting.
  *
  * This is speculative insertion, as INSERT ... ON CONFLICT does it: insert
@@ -538,25 +587,50 @@ insert_index_entries(IdemRelation *rel, TupleTableSlot *slot,
  * A killed speculative tuple is dead to everyone at once, so a lost race
  * leaves nothing behind that others would wait for.  Returns true if the row
  * was inserted; false if another row (committed or in flight) has the key,
- * in which case nothing was written and the caller probes again.
+ * in which case nothing was written and the caller probes again.  In a
+ * batch, see idem_batch_begin.
  */
 bool
 idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls)
 {
-	TupleTableSlot *slot = make_slot(rel, values, nulls);
+	TupleTableSlot *slot;
 	TransactionId xid = GetCurrentTransactionId();
 	uint32		token;
 	bool		inserted;
 
-	token = SpeculativeInsertionLockAcquire(xid);
+	if (rel->in_batch)
+	{
+		/* formed once, here, and stored by the heap as it is */
+		slot = rel->batch_slot;
+		ExecStoreHeapTuple(heap_form_tuple(RelationGetDescr(rel->heap), values, nulls),
+						   slot, true);
+		if (rel->batch_token == 0)
+		{
+			rel->batch_xid = xid;
+			rel->batch_token = SpeculativeInsertionLockAcquire(xid);
+		}
+		token = rel->batch_token;
+	}
+	else
+	{
+		slot = make_slot(rel, values, nulls);
+		token = SpeculativeInsertionLockAcquire(xid);
+	}
+
 	table_tuple_insert_speculative(rel->heap, slot, GetCurrentCommandId(true),
 								   0, NULL, token);
 	inserted = insert_index_entries(rel, slot, UNIQUE_CHECK_PARTIAL, false, false);
 	table_tuple_complete_speculative(rel->heap, slot, token, inserted);
-	SpeculativeInsertionLockRelease(xid);
 	if (inserted)
 		remember_own_row(rel, &slot->tts_tid);
 
+	if (rel->in_batch)
+	{
+		ExecClearTuple(slot);
+		rel->batch_wrote = true;
+		return inserted;
+	}
+	SpeculativeInsertionLockRelease(xid);
 	ExecDropSingleTupleTableSlot(slot);
 	CommandCounterIncrement();
 	return inserted;

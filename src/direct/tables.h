@@ -93,6 +93,18 @@ typedef struct IdemRelation
 	/* the predicates of partial indexes, once one needs checking */
 	EState	   *estate;
 	ExprState **predicates;
+
+	/*
+	 * Between idem_batch_begin and idem_batch_end, the insertions of one
+	 * call's batch share one slot and one speculative insertion token, held
+	 * from the first insertion to the end, and one CommandCounterIncrement at
+	 * the end (see idem_insert_unique).
+	 */
+	bool		in_batch;
+	TupleTableSlot *batch_slot;
+	TransactionId batch_xid;	/* the token's, once taken */
+	uint32		batch_token;	/* 0 until the batch's first insertion */
+	bool		batch_wrote;
 } IdemRelation;
 
 /*
@@ -135,6 +147,8 @@ extern void idem_probe(IdemRelation *rel, const Datum *pkey_values,
 extern bool idem_row_visible_to_snapshot(IdemRelation *rel,
 										 const ProbeResult *found);
 
+extern void idem_batch_begin(IdemRelation *rel);
+extern void idem_batch_end(IdemRelation *rel);
 extern bool idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls);
 extern void idem_insert(IdemRelation *rel, Datum *values, bool *nulls);
 extern void idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls,
