@@ -132,9 +132,11 @@
  * a hand-out of many rows of one key was quadratic.  The walk starts at the
  * topic's oldest unpublished row (oldest, from outbox_ready, once per topic):
  * nothing older can block, and the key's index entries before it, of rows
- * published and not vacuumed away yet, are not read.  A row without a key
- * meets no blocking row (NULL equals nothing), which leaves the test a
- * plain anti-join.
+ * published and not vacuumed away yet, are not read.  Only the keys that
+ * have a blocking row are kept (the lateral join drops the others), so that
+ * in the common case, nothing held back, the anti-join below reads an empty
+ * list rather than one row per key for each row.  A row without a key
+ * meets no blocking row (NULL equals nothing).
  */
 #define ACK_FENCE(alias) \
 	" AND " alias ".attempts = ($3)[array_position($1, " alias ".id)]"
@@ -149,14 +151,15 @@
 	"                   ORDER BY u.id LIMIT 1) AS id" \
 	"  FROM (SELECT DISTINCT topic FROM taken) t" \
 	"), blocking AS MATERIALIZED (" \
-	"  SELECT k.topic, k.key, (" \
+	"  SELECT k.topic, k.key, b.id" \
+	"  FROM taken k JOIN oldest f ON f.topic = k.topic" \
+	"  CROSS JOIN LATERAL (" \
 	"      SELECT e.id FROM idempotency.outbox e" \
 	"      WHERE e.topic = k.topic AND e.key = k.key" \
 	"        AND e.id >= f.id AND e.id < k.newest" \
 	"        AND e.state <> 'published' AND e.published_at IS NULL" \
 	"        AND NOT coalesce(e.id = ANY ($1) AND e.state = 'leased'" fence("e") ", false)" \
-	"      ORDER BY e.id LIMIT 1) AS id" \
-	"  FROM taken k JOIN oldest f ON f.topic = k.topic" \
+	"      ORDER BY e.id LIMIT 1) b" \
 	") "
 #define ACK_WHERE(fence) \
 	"o.id = ANY ($1) AND o.state = 'leased'" fence("o") \
