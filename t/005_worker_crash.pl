@@ -1,6 +1,10 @@
 # An immediate shutdown in the middle of publishing: after the restart,
 # no row routed to a function or to logical decoding is lost or published
 # twice, because each row's publication commits together with its removal.
+# The middle is the test's, not the machine's: the route's function stops
+# at a gate halfway through the rows, inside a batch's transaction (the
+# batches before it committed, its own rows and logical messages not), and
+# the server is stopped while the worker waits there.
 
 use strict;
 use warnings;
@@ -21,8 +25,16 @@ $node->start;
 $node->safe_psql('postgres', q{
 	CREATE EXTENSION idempotency;
 	CREATE TABLE sink (id bigint);
-	CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE sql AS
-		'INSERT INTO public.sink VALUES (e.id)';
+	CREATE TABLE gate (open boolean);
+	INSERT INTO gate VALUES (false);
+	-- each statement of the loop reads the gate with a new snapshot
+	CREATE FUNCTION sink_it(e idempotency.outbox) RETURNS void LANGUAGE plpgsql AS $$
+	BEGIN
+		INSERT INTO public.sink VALUES (e.id);
+		WHILE (e.payload->>'n')::int > 1500 AND NOT (SELECT open FROM public.gate) LOOP
+			PERFORM pg_sleep(0.01);
+		END LOOP;
+	END $$;
 	SELECT idempotency.idem_outbox_route('to_function', 'function', 'sink_it');
 	SELECT idempotency.idem_outbox_route('to_wal', 'logical', 'crash.test');
 	SELECT pg_create_logical_replication_slot('crash_slot', 'test_decoding');
@@ -33,13 +45,16 @@ $node->safe_psql('postgres', qq{
 	FROM generate_series(1, $rows) n, unnest(ARRAY['to_function', 'to_wal']) t;
 });
 
-# stop hard once publishing is under way but not finished
-$node->poll_query_until('postgres', 'SELECT count(*) > 0 FROM sink')
-  or die "publishing did not start";
+# stop hard once the worker waits at the gate, in the middle of a batch
+$node->poll_query_until('postgres', q{
+	SELECT count(*) = 1 FROM pg_stat_activity
+	WHERE backend_type = 'idempotency worker' AND wait_event = 'PgSleep'})
+  or die "publishing did not reach the gate";
 my $published = $node->safe_psql('postgres', 'SELECT count(*) FROM sink');
 $node->stop('immediate');
 cmp_ok($published, '<', $rows, "the server stopped in the middle of publishing ($published of $rows)");
 $node->start;
+$node->safe_psql('postgres', 'UPDATE gate SET open = true');
 
 $node->poll_query_until('postgres', 'SELECT count(*) = 0 FROM idempotency.outbox')
   or die "publishing did not finish after the restart";
