@@ -416,11 +416,6 @@ def bench_outbox(cluster, summary):
                  " ALTER TABLE bench_drain ADD PRIMARY KEY (topic, id)")
     pair_tables_autovacuum(cluster, False)
     cluster.psql("ALTER TABLE bench_drain SET (autovacuum_enabled = off)")
-    # the same shape as the outbox, storage parameters (its fillfactor) too,
-    # which CREATE TABLE ... (LIKE ... INCLUDING ALL) does not copy
-    cluster.psql("DO $$ BEGIN EXECUTE coalesce((SELECT format('ALTER TABLE bench_outbox SET (%s)',"
-                 " array_to_string(reloptions, ', ')) FROM pg_class"
-                 " WHERE oid = 'idempotency.outbox'::regclass), 'SELECT'); END $$")
     median, ratio = compare(cluster, "enqueue_batch.sql", "insert_outbox_unnest.sql")
     print(f"enqueue_batch of 100 vs INSERT ... SELECT unnest: ours {median['ours'][0]:.0f} calls/s, "
           f"insert {median['ref'][0]:.0f}/s, ratio {ratio:.2f} (bar 0.90, "

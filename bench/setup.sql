@@ -16,8 +16,14 @@ INSERT INTO bench_replay SELECT * FROM idempotency.keys WHERE scope = 'replay';
 -- mark_processed: INSERT ... ON CONFLICT DO NOTHING RETURNING
 CREATE TABLE bench_events (LIKE idempotency.processed_events INCLUDING ALL);
 
--- enqueue: INSERT into a table shaped like the outbox, with its indexes
+-- enqueue: INSERT into a table shaped like the outbox, with its indexes and
+-- its storage parameters (its fillfactor), which LIKE ... INCLUDING ALL
+-- does not copy
 CREATE TABLE bench_outbox (LIKE idempotency.outbox INCLUDING ALL);
+DO $$ BEGIN
+	EXECUTE coalesce((SELECT format('ALTER TABLE bench_outbox SET (%s)', array_to_string(reloptions, ', '))
+	                  FROM pg_class WHERE oid = 'idempotency.outbox'::regclass), 'SELECT');
+END $$;
 
 -- the worker's publishing target
 CREATE TABLE sink (id bigint, created_at timestamptz, published_at timestamptz);
