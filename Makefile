@@ -29,6 +29,7 @@ OBJS = \
 	src/direct/table_check.o \
 	src/direct/tables.o \
 	src/api/claim_scan.o \
+	src/api/delegation_guard.o \
 	src/api/events.o \
 	src/api/fingerprint.o \
 	src/api/keys.o \

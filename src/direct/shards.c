@@ -27,9 +27,10 @@
  * snapshot.
  *
  * Owns: the Citus lookups (partition method, shard id, local placement,
- *	  the shards placed on this node, this node's group).
+ *	  the shards placed on this node, this node's group, the functions Citus
+ *	  delegates).
  * May call: the catalogs, and Citus's SQL functions through the fmgr.
- *	  Called by direct/tables.c.
+ *	  Called by direct/tables.c and api/delegation_guard.c.
  *
  *-------------------------------------------------------------------------
  */
@@ -41,6 +42,7 @@
 #include "catalog/namespace.h"
 #include "catalog/pg_collation.h"
 #include "catalog/pg_namespace.h"
+#include "catalog/pg_proc.h"
 #include "catalog/pg_type.h"
 #include "fmgr.h"
 #include "miscadmin.h"
@@ -66,6 +68,11 @@
 /* pg_dist_placement (placementid, shardid, shardstate, shardlength, groupid) */
 #define Anum_dist_placement_shardid 2
 #define Anum_dist_placement_groupid 5
+/* pg_dist_object (classid, objid, objsubid, type, object_names, object_args,
+ * distribution_argument_index, ...) */
+#define Anum_dist_object_classid 1
+#define Anum_dist_object_objid 2
+#define Anum_dist_object_distribution_argument_index 7
 /* pg_dist_local_group (groupid) */
 #define Anum_dist_local_group_groupid 1
 
@@ -334,4 +341,41 @@ idem_local_shards(Oid shell)
 	table_close(catalog, AccessShareLock);
 	list_sort(shards, list_oid_cmp);
 	return shards;
+}
+
+/*
+ * Does Citus delegate calls of the function to the node of a shard: is it
+ * a distributed function (pg_dist_object) with a distribution argument?
+ * False where Citus is not installed.
+ */
+bool
+idem_citus_delegates_function(Oid funcid)
+{
+	Oid			catalog_id = citus_catalog("pg_dist_object");
+	Oid			index_id = citus_catalog("pg_dist_object_pkey");
+	Relation	catalog;
+	ScanKeyData keys[2];
+	SysScanDesc scan;
+	HeapTuple	tuple;
+	bool		delegated = false;
+
+	if (!OidIsValid(catalog_id))
+		return false;
+	catalog = table_open(catalog_id, AccessShareLock);
+	ScanKeyInit(&keys[0], Anum_dist_object_classid, BTEqualStrategyNumber,
+				F_OIDEQ, ObjectIdGetDatum(ProcedureRelationId));
+	ScanKeyInit(&keys[1], Anum_dist_object_objid, BTEqualStrategyNumber,
+				F_OIDEQ, ObjectIdGetDatum(funcid));
+	scan = systable_beginscan(catalog, index_id, OidIsValid(index_id), NULL, 2, keys);
+	while (!delegated && HeapTupleIsValid(tuple = systable_getnext(scan)))
+	{
+		bool		isnull;
+
+		(void) heap_getattr(tuple, Anum_dist_object_distribution_argument_index,
+							RelationGetDescr(catalog), &isnull);
+		delegated = !isnull;
+	}
+	systable_endscan(scan);
+	table_close(catalog, AccessShareLock);
+	return delegated;
 }

@@ -20,5 +20,6 @@ extern Oid	idem_shard_for_value(Relation shell, text *value,
 								 const char *function_name);
 extern List *idem_local_shards(Oid shell);
 extern int32 idem_citus_local_group(void);
+extern bool idem_citus_delegates_function(Oid funcid);
 
 #endif							/* IDEMPOTENCY_SHARDS_H */

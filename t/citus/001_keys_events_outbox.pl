@@ -3,7 +3,8 @@
 # application's table by tenant with idem_distribute(): every call made
 # through the coordinator runs on the node of its shard, in the shard, and
 # commits there together with the business writes of its transaction.  A
-# call that reaches a node without the shard is refused; a claim follows
+# call that reaches a node without the shard is refused, and one beside a
+# subquery is refused before Citus's planner could crash on it; a claim follows
 # its shard when the shard moves; 32 sessions racing for one key through the
 # coordinator execute it once.
 
@@ -105,6 +106,25 @@ my $other = $t1_worker->port == $w1->port ? $w2 : $w1;
 like($err, qr/cannot run on this node/, 'so is a call on the other worker');
 is($other->safe_psql('postgres', q{SELECT pg_relation_size('idempotency.keys')}), '0',
 	'whose shell table stays empty');
+
+# --- a call beside a subquery, a VALUES list, a view or a WITH query is
+# refused before Citus plans it (0A000): Citus would delegate it from the
+# query as its planner rewrote it (the subquery pulled up and gone), whose
+# deparsing crashed the coordinator's backend (SIGSEGV)
+for my $query (
+	q{SELECT count(*) FROM idempotency.idem_claim('t1', 'pay-9') c, (VALUES (1)) v},
+	q{SELECT outcome FROM (SELECT * FROM idempotency.idem_claim('t1', 'pay-9')) s},
+	q{SELECT idempotency.idem_mark_processed('t1', 'event-9') FROM (SELECT 1) s})
+{
+	($ret, $out, $err) = $c->psql('postgres', "\\set VERBOSITY verbose\n$query");
+	like($err, qr/ERROR:  0A000: idem_\w+\(\) cannot be called beside a subquery/,
+		"refused with 0A000: $query");
+}
+like($err, qr/HINT:  Call it as the whole query, SELECT \.\.\. FROM idempotency\.idem_mark_processed\(\.\.\.\)/,
+	'the hint says how to call it');
+is(call(q{SELECT count(*) FROM idempotency.keys WHERE key = 'pay-9'}), '0',
+	'the coordinator is still up, and no key was claimed');
+unlike(slurp_file($c->logfile), qr/terminated by signal/, 'no server process crashed');
 
 # --- deduplication: a mark commits or rolls back with the handler's writes
 is(last_line(call(q{
