@@ -25,9 +25,11 @@ OBJS = \
 	src/infra/shmem.o \
 	src/direct/guard.o \
 	src/direct/outbox_sql.o \
+	src/direct/shards.o \
 	src/direct/table_check.o \
 	src/direct/tables.o \
 	src/api/claim_scan.o \
+	src/api/delegation_guard.o \
 	src/api/events.o \
 	src/api/fingerprint.o \
 	src/api/keys.o \
@@ -92,7 +94,7 @@ $(OBJS): $(wildcard src/*.h src/*/*.h)
 include-graph:
 	python3 scripts/include-graph.py
 
-.PHONY: test demo bench test-matrix check-regress check-isolation check-tap check-examples check-installcheck
+.PHONY: test demo bench test-matrix check-regress check-isolation check-tap check-citus check-examples check-installcheck
 
 # The scripts pick the server version themselves (scripts/common.sh): a
 # PG_CONFIG or PG_MAJOR given on make's command line or in the environment
@@ -124,6 +126,18 @@ check-isolation:
 
 check-tap:
 	$(prove_installcheck)
+
+# t/citus/*.pl: a coordinator and two workers, when the citus extension is
+# installed in this server (it is not among Debian's packages: see
+# doc/integrations/citus.md); without it, one line says the suite did not run
+CITUS_INSTALLED = $(wildcard $(shell $(PG_CONFIG) --sharedir)/extension/citus.control)
+check-citus: PROVE_TESTS = t/citus/*.pl
+check-citus:
+ifneq ($(CITUS_INSTALLED),)
+	$(prove_installcheck)
+else
+	@echo "citus suite: not run (citus is not installed in this server)"
+endif
 
 # examples/*/test.sh against a temporary instance, directly and through
 # pgbouncer in transaction pooling mode

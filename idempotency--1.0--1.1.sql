@@ -224,5 +224,99 @@ REVOKE ALL ON FUNCTION idempotency.idem_outbox_ack(bigint[], integer[]) FROM PUB
 REVOKE ALL ON FUNCTION idempotency.idem_outbox_nack(bigint, text, integer) FROM PUBLIC;
 
 
+/* ---------------------------------------------------------------------
+ * Citus: the tables distributed, the functions delegated to their shards.
+ * ---------------------------------------------------------------------
+ */
+
+/*
+ * One call on the coordinator distributes the extension's tables beside
+ * the application's: keys by scope, processed_events by consumer and outbox
+ * by topic, in one colocation group (with colocate_with's, when given), the
+ * routes as a reference table; and declares each function whose first
+ * argument is a distribution value a distributed function of that table,
+ * delegated even inside a transaction block (force_delegation), so that a
+ * claim, the business writes of the same tenant and the completion run on
+ * the node of their shards and commit together there.  The C code finds
+ * the shard itself (src/direct/shards.c).  Citus's functions are called by
+ * name at run time: without Citus, 55000.
+ */
+CREATE FUNCTION idempotency.idem_distribute(colocate_with regclass DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	column_name name;
+	column_collation oid;
+	fn record;
+BEGIN
+	IF NOT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus') THEN
+		RAISE EXCEPTION 'idem_distribute() needs the citus extension'
+			USING ERRCODE = 'object_not_in_prerequisite_state',
+				  DETAIL = 'It distributes the extension''s tables and functions with Citus, which is not installed in this database.',
+				  HINT = 'Run CREATE EXTENSION citus on the coordinator first, or keep the tables local.';
+	END IF;
+
+	IF colocate_with IS NOT NULL THEN
+		/* Citus colocates text columns of one collation only: say which */
+		SELECT a.attname, a.attcollation INTO column_name, column_collation
+		FROM pg_dist_partition p
+		JOIN pg_attribute a ON a.attrelid = p.logicalrelid
+			AND a.attname = column_to_column_name(p.logicalrelid, p.partkey)
+		WHERE p.logicalrelid = colocate_with AND p.partmethod = 'h';
+		IF NOT FOUND THEN
+			RAISE EXCEPTION 'table % is not hash-distributed', colocate_with
+				USING ERRCODE = 'invalid_parameter_value',
+					  HINT = 'Distribute it first with create_distributed_table(), by its tenant column.';
+		END IF;
+		IF column_collation <> 'pg_catalog."C"'::regcollation THEN
+			RAISE EXCEPTION 'column % of table % must have collation "C"', column_name, colocate_with
+				USING ERRCODE = 'collation_mismatch',
+					  DETAIL = 'The extension''s tables are distributed by text columns of collation "C" (scope, consumer, topic), and Citus colocates only distribution columns of one collation.',
+					  HINT = format('Declare it "%s text COLLATE \"C\"" (ALTER TABLE %s ALTER %s TYPE text COLLATE "C", before distributing the table).',
+									column_name, colocate_with, quote_ident(column_name));
+		END IF;
+	END IF;
+
+	PERFORM create_distributed_table('idempotency.keys', 'scope',
+									 colocate_with => coalesce(colocate_with::text, 'default'));
+	PERFORM create_distributed_table('idempotency.processed_events', 'consumer',
+									 colocate_with => 'idempotency.keys');
+	PERFORM create_distributed_table('idempotency.outbox', 'topic',
+									 colocate_with => 'idempotency.keys');
+	PERFORM create_reference_table('idempotency.outbox_routes');
+
+	FOR fn IN
+		SELECT p.oid::regprocedure AS signature, t.table_name
+		FROM pg_proc p
+		JOIN (VALUES ('idem_claim', 'idempotency.keys'),
+					 ('idem_complete', 'idempotency.keys'),
+					 ('idem_release', 'idempotency.keys'),
+					 ('idem_checkpoint', 'idempotency.keys'),
+					 ('idem_extend_lease', 'idempotency.keys'),
+					 ('idem_mark_processed', 'idempotency.processed_events'),
+					 ('idem_is_processed', 'idempotency.processed_events'),
+					 ('idem_mark_processed_batch', 'idempotency.processed_events'),
+					 ('idem_is_processed_batch', 'idempotency.processed_events'),
+					 ('idem_outbox_enqueue', 'idempotency.outbox'),
+					 ('idem_outbox_enqueue_batch', 'idempotency.outbox'))
+			AS t (function_name, table_name) ON p.proname = t.function_name
+		WHERE p.pronamespace = 'idempotency'::regnamespace
+		ORDER BY 1
+	LOOP
+		PERFORM create_distributed_function(fn.signature, '$1',
+											colocate_with => fn.table_name,
+											force_delegation => true);
+	END LOOP;
+END
+$$;
+
+COMMENT ON FUNCTION idempotency.idem_distribute(regclass) IS
+	'Citus: distribute keys, processed_events and outbox (colocated with colocate_with, whose tenant column must be text COLLATE "C"), make outbox_routes a reference table, and delegate the functions to their shards';
+
+REVOKE ALL ON FUNCTION idempotency.idem_distribute(regclass) FROM PUBLIC;
+
+
 /* the grants are carried: the helper goes */
 DROP FUNCTION idempotency._carry_grants(regprocedure, regprocedure);

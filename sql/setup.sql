@@ -20,3 +20,6 @@ JOIN pg_class c ON c.oid = i.indrelid
 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
 WHERE i.indisprimary AND c.relnamespace = 'idempotency'::regnamespace
 ORDER BY 1;
+
+-- without Citus, idem_distribute() refuses and says what it needs
+SELECT idempotency.idem_distribute();

@@ -5,8 +5,8 @@
  *	  to the server, and does nothing else.
  *
  * Owns: the order of registration.
- * May call: the register functions of api/claim_scan.h, bgw/launcher.h,
- *	  infra/guc.h and infra/shmem.h.  Nothing includes this file's symbols.
+ * May call: the register functions of api/claim_scan.h,
+ *	  api/delegation_guard.h, bgw/launcher.h, infra/guc.h and infra/shmem.h.  Nothing includes this file's symbols.
  *
  *-------------------------------------------------------------------------
  */
@@ -16,6 +16,7 @@
 #include "miscadmin.h"
 
 #include "api/claim_scan.h"
+#include "api/delegation_guard.h"
 #include "bgw/launcher.h"
 #include "infra/guc.h"
 #include "infra/shmem.h"
@@ -34,6 +35,7 @@ _PG_init(void)
 {
 	idem_define_gucs();
 	idem_claim_scan_register();
+	idem_delegation_guard_register();
 
 	if (!process_shared_preload_libraries_in_progress)
 		return;

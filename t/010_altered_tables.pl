@@ -183,17 +183,27 @@ like($err, qr/ERROR:  22003: key has been taken over too many times/,
 is($node->safe_psql('postgres', "SELECT attempt FROM idempotency.keys WHERE key = 'held'"),
 	'2147483647', '... and the attempt is not wrapped');
 
-# A table Citus lists as distributed (its catalog, reproduced here) is an
-# empty shell on this node: refused with 0A000 rather than read.
+# A table Citus lists (its catalog, reproduced here) is an empty shell on
+# this node.  Hash-distributed, its rows are in shards, which Citus's own
+# functions find (src/direct/shards.c): without them, 55000 rather than a
+# read of the shell.  Any other kind of Citus table (a reference table
+# here) is refused with 0A000.
 ($ret, $out, $err) = $node->psql('postgres', q{
 	SET allow_system_table_mods = on;
 	CREATE TABLE pg_catalog.pg_dist_partition (logicalrelid regclass NOT NULL, partmethod "char");
 	INSERT INTO pg_catalog.pg_dist_partition VALUES ('idempotency.keys', 'h');
 	\set VERBOSITY verbose
 	SELECT idempotency.idem_claim('s', 'done');});
+like($err, qr/ERROR:  55000: function pg_catalog.get_shard_id_for_distribution_column of Citus does not exist/,
+	'a table distributed by Citus, without Citus, is an error rather than a read of the shell');
+($ret, $out, $err) = $node->psql('postgres', q{
+	SET allow_system_table_mods = on;
+	UPDATE pg_catalog.pg_dist_partition SET partmethod = 'n';
+	\set VERBOSITY verbose
+	SELECT idempotency.idem_claim('s', 'done');});
 like($err, qr/ERROR:  0A000: idempotency does not support this change to table "idempotency.keys"/,
-	'a table distributed by Citus is refused with 0A000');
-like($err, qr/DETAIL:  It is distributed by Citus/, '... saying so');
+	'a Citus reference table is refused with 0A000');
+like($err, qr/DETAIL:  Citus manages it other than by hash distribution/, '... saying so');
 
 ok(!$node->log_contains('terminated by signal|PANIC|TRAP:'), 'no backend crashed');
 $node->stop;

@@ -192,7 +192,8 @@ idem_mark_processed(PG_FUNCTION_ARGS)
 	bool		first_time;
 
 	idem_require_writable("idem_mark_processed()");
-	idem_relation_open(&rel, IDEM_TABLE_EVENTS, RowExclusiveLock);
+	idem_relation_open(&rel, IDEM_TABLE_EVENTS, RowExclusiveLock, consumer,
+					   "idem_mark_processed()");
 	first_time = mark_event(&rel, consumer, event_id, retention, &assume_new, &clock);
 	idem_relation_close(&rel);
 
@@ -212,7 +213,8 @@ idem_is_processed(PG_FUNCTION_ARGS)
 	IdemRelation rel;
 	bool		processed;
 
-	idem_relation_open(&rel, IDEM_TABLE_EVENTS, AccessShareLock);
+	idem_relation_open(&rel, IDEM_TABLE_EVENTS, AccessShareLock, consumer,
+					   "idem_is_processed()");
 	processed = event_processed(&rel, consumer, event_id, GetCurrentTimestamp());
 	idem_relation_close(&rel);
 
@@ -342,7 +344,8 @@ event_batch_answer(FunctionCallInfo fcinfo, EventBatch *batch, text *consumer,
 		MarkClock	clock = {false};
 
 		idem_relation_open(&rel, IDEM_TABLE_EVENTS,
-						   mark ? RowExclusiveLock : AccessShareLock);
+						   mark ? RowExclusiveLock : AccessShareLock, consumer,
+						   mark ? "idem_mark_processed_batch()" : "idem_is_processed_batch()");
 		if (mark)
 			idem_batch_begin(&rel);
 		for (int i = 0; i < batch->ndistinct; i++)

@@ -425,7 +425,7 @@ idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 
 	claim_wait_start(&wait, fcinfo, IDEM_CLAIM_WAIT_ARGNO, scope, key);
 	idem_require_writable("idem_claim()");
-	idem_relation_open(&rel, IDEM_TABLE_KEYS, RowExclusiveLock);
+	idem_relation_open(&rel, IDEM_TABLE_KEYS, RowExclusiveLock, scope, "idem_claim()");
 
 	for (;;)
 	{
@@ -625,7 +625,7 @@ change_claim(const char *function_name, FunctionCallInfo fcinfo,
 	IdemRelation rel;
 
 	idem_require_writable(function_name);
-	idem_relation_open(&rel, IDEM_TABLE_KEYS, RowExclusiveLock);
+	idem_relation_open(&rel, IDEM_TABLE_KEYS, RowExclusiveLock, scope, function_name);
 
 	for (;;)
 	{

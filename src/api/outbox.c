@@ -274,7 +274,8 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 	 * A new row is written straight into the table and its indexes, as the
 	 * key functions write theirs (see tables.c): no executor, no SPI.
 	 */
-	idem_relation_open(&rel, IDEM_TABLE_OUTBOX, RowExclusiveLock);
+	idem_relation_open(&rel, IDEM_TABLE_OUTBOX, RowExclusiveLock, topic,
+					   "idem_outbox_enqueue()");
 	/* before the row gets its id: see the top of this file */
 	if (key != NULL)
 		lock_outbox_key(outbox_key_hash(topic, key));
@@ -405,7 +406,8 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 	if (count == 0)
 		return (Datum) 0;
 
-	idem_relation_open(&rel, IDEM_TABLE_OUTBOX, RowExclusiveLock);
+	idem_relation_open(&rel, IDEM_TABLE_OUTBOX, RowExclusiveLock, topic,
+					   "idem_outbox_enqueue_batch()");
 	qsort(hashes, nhashes, sizeof(uint64), compare_hashes);
 	for (int i = 0; i < nhashes; i++)
 		if (i == 0 || hashes[i] != hashes[i - 1])
@@ -818,6 +820,22 @@ positive_count(FunctionCallInfo fcinfo, int argno, const char *name)
 }
 
 /*
+ * The pull API reads and writes the outbox by SQL, which on a table that
+ * Citus distributes would address the shell (or be refused by Citus's
+ * planner): not yet supported there.
+ */
+static void
+refuse_distributed_outbox(const char *function_name)
+{
+	if (idem_table_distributed(IDEM_TABLE_OUTBOX))
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("%s does not support a distributed outbox yet", function_name),
+				 errdetail("Citus distributes idempotency.outbox; this version enqueues into its shards, but neither hands its rows out nor publishes them."),
+				 errhint("Keep the outbox local (SELECT undistribute_table('idempotency.outbox')) to use the pull API and publishing.")));
+}
+
+/*
  * idem_outbox_fetch(topic, batch, lease, per_key) -> SETOF idempotency.outbox
  *
  * Also bound to the 1.0 signature (topic, batch, lease): per_key is 1 then.
@@ -855,6 +873,7 @@ idem_outbox_fetch(PG_FUNCTION_ARGS)
 		per_key = positive_count(fcinfo, 3, "per_key");
 
 	idem_require_writable("idem_outbox_fetch()");
+	refuse_distributed_outbox("idem_outbox_fetch()");
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 
 	memset(nulls, ' ', sizeof(nulls));
@@ -919,6 +938,7 @@ acknowledge(Datum ids, Datum attempts, bool fenced)
 	bool		keep = idem_outbox_retention_s != 0;
 
 	idem_require_writable("idem_outbox_ack()");
+	refuse_distributed_outbox("idem_outbox_ack()");
 	values[0] = ids;
 	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
 	values[2] = attempts;
@@ -998,6 +1018,7 @@ change_one_row(OutboxStatement statement, Datum *values, const char *nulls,
 	uint64		changed;
 
 	idem_require_writable(function_name);
+	refuse_distributed_outbox(function_name);
 	outbox_sql_begin(&context);
 	changed = outbox_sql_run(statement, values, nulls);
 	outbox_sql_end(&context);

@@ -28,6 +28,7 @@ maintenance_cursor_init(MaintenanceCursor *cursor)
 	for (int unit = 0; unit < NUM_MAINTENANCE_UNITS; unit++)
 	{
 		cursor->next_block[unit] = InvalidBlockNumber;
+		cursor->part[unit] = 0;
 		cursor->to_prune[unit][0].span = cursor->to_prune[unit][1].span = 0;
 		cursor->unpruned[unit].span = 0;
 		cursor->purged_in_pass[unit] = 0;

@@ -10,6 +10,7 @@
 #ifndef IDEMPOTENCY_MAINTENANCE_H
 #define IDEMPOTENCY_MAINTENANCE_H
 
+#include "postgres_ext.h"
 #include "storage/block.h"
 
 /* The kinds of work, each done in bounded batches. */
@@ -25,7 +26,8 @@ typedef enum MaintenanceUnit
 /*
  * The pages a purge batch deleted rows on, for idem_prune_purged (purge.c):
  * bit i of deleted_on stands for page first + i, of the span pages a batch
- * reads at most; and the batch's transaction.
+ * reads at most; the relation (the table, or on Citus one of its shards);
+ * and the batch's transaction.
  */
 #define IDEM_PURGE_MAX_BLOCKS	1024
 typedef struct IdemPurgedPages
@@ -33,6 +35,7 @@ typedef struct IdemPurgedPages
 	BlockNumber first;
 	uint32		span;			/* bits past the last one set: 0 for none */
 	uint64		deleted_on[IDEM_PURGE_MAX_BLOCKS / 64];
+	Oid			relid;
 	TransactionId xid;
 } IdemPurgedPages;
 
@@ -65,7 +68,8 @@ typedef enum PublishWay
 } PublishWay;
 
 /*
- * Where the work stands between batches: each purge's walk over its heap,
+ * Where the work stands between batches: each purge's walk over its heaps
+ * (part: the table, or on Citus which of its shards on this node),
  * the pages its last two batches deleted rows on, the older first, and
  * those of earlier batches that could not be pruned yet (for
  * purge_prune), and how the next publish batch goes (see
@@ -74,6 +78,7 @@ typedef enum PublishWay
 typedef struct MaintenanceCursor
 {
 	BlockNumber next_block[NUM_MAINTENANCE_UNITS];
+	int			part[NUM_MAINTENANCE_UNITS];
 	IdemPurgedPages to_prune[NUM_MAINTENANCE_UNITS][2];
 	IdemPurgedPages unpruned[NUM_MAINTENANCE_UNITS];
 	uint64		purged_in_pass[NUM_MAINTENANCE_UNITS];	/* reset by the caller */

@@ -27,7 +27,8 @@
  *
  * Owns: the candidates, the route targets, the failed attempts' records.
  * May call: bgw/maintenance.h (the cursor), bgw/worker_xact.h, direct/
- *	  (the outbox's statements), infra/ (settings, counters, run_as).
+ *	  (the outbox's statements; whether Citus distributes it), infra/
+ *	  (settings, counters, run_as).
  *
  *-------------------------------------------------------------------------
  */
@@ -62,6 +63,7 @@
 #include "bgw/worker_xact.h"
 #include "compat.h"
 #include "direct/outbox_sql.h"
+#include "direct/tables.h"
 #include "infra/guc.h"
 #include "infra/run_as.h"
 #include "infra/shmem.h"
@@ -598,6 +600,9 @@ publish_batch(MaintenanceCursor *cursor, MaintenanceCounts *counts)
 	bool		more;
 
 	cursor->last_publish_way = way;
+	/* a distributed outbox's rows are in shards the SQL does not reach yet */
+	if (idem_table_distributed(IDEM_TABLE_OUTBOX))
+		return false;
 	if (way == PUBLISH_ALONE && cursor->alone_next < cursor->alone.count)
 	{
 		int64		id = cursor->alone.ids[cursor->alone_next++];

@@ -66,11 +66,29 @@
 #include "bgw/worker_xact.h"
 #include "compat.h"
 #include "direct/outbox_sql.h"
+#include "direct/shards.h"
 #include "direct/table_check.h"
 #include "direct/tables.h"
 #include "infra/claim_wait.h"
 #include "infra/guc.h"
 #include "infra/shmem.h"
+
+/*
+ * The walk of one part ended: the next batch walks the next part from its
+ * first page, or, after the last, the pass is over and the next one starts
+ * from the first part.
+ */
+static void
+next_part(List *parts, BlockNumber *next_block, int *part)
+{
+	if (*part + 1 < list_length(parts))
+	{
+		(*part)++;
+		*next_block = 0;
+	}
+	else
+		*part = 0;
+}
 
 /*
  * Delete up to limit rows whose expires_at has passed, walking the heap from
@@ -83,15 +101,23 @@
  * the worker.  A row that another transaction holds or has changed is left for
  * the next pass.  *purged is set to the pages the batch deleted rows on,
  * for idem_prune_purged once it has committed.
+ *
+ * Where Citus distributes the table, the heaps walked are its shards on this
+ * node (idem_table_parts), one after the other, *part saying which: a pass
+ * ends when the last one's walk does.  A shard that moved away meanwhile is
+ * skipped.  A row deleted on a shard's old placement while Citus copies
+ * the shard may not reach the new one: it expired, so it behaves as absent
+ * there too, and is purged there at the next pass.
  */
 static uint64
 idem_purge_expired(IdemTable table, TimestampTz now, int limit,
-				   BlockNumber *next_block, IdemPurgedPages *purged)
+				   BlockNumber *next_block, int *part, IdemPurgedPages *purged)
 {
 	const ExpectedTable *def = idem_table_def(table);
-	Relation	heap = idem_table_open(table, RowExclusiveLock);
-	TupleDesc	desc = RelationGetDescr(heap);
-	BlockNumber nblocks = RelationGetNumberOfBlocks(heap);
+	List	   *parts = idem_table_parts(table);
+	Relation	heap;
+	TupleDesc	desc;
+	BlockNumber nblocks;
 	BlockNumber start = *next_block;
 	CommandId	cid = GetCurrentCommandId(true);
 	Snapshot	snapshot;
@@ -99,16 +125,32 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 	HeapTuple	tuple;
 	uint64		deleted = 0;
 
+	memset(purged, 0, sizeof(*purged));
 	*next_block = InvalidBlockNumber;
+	if (*part >= list_length(parts))
+	{
+		*part = 0;
+		start = InvalidBlockNumber;
+	}
+	if (parts == NIL)
+		return 0;				/* a Citus node without shards of the table */
+	purged->relid = list_nth_oid(parts, *part);
+	heap = idem_table_part_open(table, purged->relid, RowExclusiveLock);
+	if (heap == NULL)
+		nblocks = 0;
+	else
+		nblocks = RelationGetNumberOfBlocks(heap);
 	if (start == InvalidBlockNumber || start >= nblocks)
 		start = 0;
-	memset(purged, 0, sizeof(*purged));
 	purged->first = start;
 	if (nblocks == 0)
 	{
-		table_close(heap, NoLock);
+		if (heap != NULL)
+			table_close(heap, NoLock);
+		next_part(parts, next_block, part);
 		return 0;
 	}
+	desc = RelationGetDescr(heap);
 
 	if (nblocks - start > IDEM_PURGE_MAX_BLOCKS)
 	{
@@ -149,6 +191,8 @@ idem_purge_expired(IdemTable table, TimestampTz now, int limit,
 	UnregisterSnapshot(snapshot);
 	table_close(heap, NoLock);
 	purged->xid = GetTopTransactionIdIfAny();
+	if (*next_block == InvalidBlockNumber)
+		next_part(parts, next_block, part);
 	return deleted;
 }
 
@@ -197,7 +241,12 @@ idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 
 	if (purged->span == 0)
 		return 0;
-	heap = idem_table_open(table, AccessShareLock);
+	heap = idem_table_part_open(table, purged->relid, AccessShareLock);
+	if (heap == NULL)
+	{
+		purged->span = 0;		/* a shard moved away: nothing left to prune */
+		return 0;
+	}
 
 	/*
 	 * None of the batch's rows can go while a snapshot older than its commit
@@ -282,6 +331,9 @@ outbox_purge_published(TimestampTz now, int limit)
 	Datum		values[2];
 	uint64		deleted;
 
+	/* a distributed outbox's rows are in shards the SQL does not reach yet */
+	if (idem_table_distributed(IDEM_TABLE_OUTBOX))
+		return 0;
 	values[0] = TimestampTzGetDatum(TimestampTzPlusMilliseconds(now,
 																-(int64) idem_outbox_retention_s * 1000));
 	values[1] = Int32GetDatum(limit);
@@ -318,7 +370,7 @@ purge_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 			/* the older pages are pruned by now, kept for later, or never will be */
 			cursor->to_prune[unit][0] = cursor->to_prune[unit][1];
 			done = idem_purge_expired(purged_table(unit), now, idem_purge_batch_size,
-									  &cursor->next_block[unit],
+									  &cursor->next_block[unit], &cursor->part[unit],
 									  &cursor->to_prune[unit][1]);
 			more = cursor->next_block[unit] != InvalidBlockNumber;
 			/* a claim that found one of them being deleted waits for this */
@@ -354,8 +406,8 @@ count_pages(const IdemPurgedPages *pages)
 /*
  * Keep the pages of *pages that idem_prune_purged could not prune yet with
  * those an earlier prune left, to try again at the next one.  Both must fit
- * in one IdemPurgedPages' reach (a walk's neighbouring batches do): if not,
- * the older ones are given up, to the next vacuum.  The kept pages' rows
+ * in one IdemPurgedPages' reach (a walk's neighbouring batches of one heap
+ * do): if not, the older ones are given up, to the next vacuum.  The kept pages' rows
  * are gone once the newer of the two batches is old enough.
  */
 static void
@@ -370,7 +422,8 @@ keep_unpruned(MaintenanceUnit unit, IdemPurgedPages *kept,
 		return;
 	first = Min(kept->first, pages->first);
 	end = Max(kept->first + kept->span, pages->first + pages->span);
-	if (kept->span == 0 || end - first > IDEM_PURGE_MAX_BLOCKS)
+	if (kept->span == 0 || end - first > IDEM_PURGE_MAX_BLOCKS ||
+		kept->relid != pages->relid)
 	{
 		if (kept->span > 0)
 			ereport(DEBUG1,
@@ -383,6 +436,7 @@ keep_unpruned(MaintenanceUnit unit, IdemPurgedPages *kept,
 	memset(&merged, 0, sizeof(merged));
 	merged.first = first;
 	merged.span = end - first;
+	merged.relid = pages->relid;
 	merged.xid = TransactionIdFollows(pages->xid, kept->xid) ? pages->xid : kept->xid;
 	for (int i = 0; i < 2; i++)
 	{
@@ -561,8 +615,13 @@ purged_most_of(const char *name, uint64 purged)
 												AccessShareLock, true);
 
 		/* reltuples is -1 for a table never vacuumed nor analyzed */
+		/*
+		 * A distributed table's purged rows were in its shards, which
+		 * autovacuum vacuums: the table of that name here is a shell.
+		 */
 		large = rel != NULL &&
-			(rel->rd_rel->reltuples < 0 || purged > 1000 + 0.2 * rel->rd_rel->reltuples);
+			(rel->rd_rel->reltuples < 0 || purged > 1000 + 0.2 * rel->rd_rel->reltuples) &&
+			idem_citus_partmethod(RelationGetRelid(rel)) == '\0';
 		if (rel != NULL)
 			table_close(rel, AccessShareLock);
 		CommitTransactionCommand();

@@ -10,8 +10,9 @@
  * collations, the same primary key, and nothing attached to it that the
  * executor would have honoured and the direct path skips — a CHECK or
  * NOT NULL of the operator's, a foreign key, a trigger, a rule, row-level
- * security, inheritance, partitioning, another table access method, or
- * distribution by Citus.  A superuser can add any of these; the utility
+ * security, inheritance, partitioning, another table access method, or a
+ * kind of Citus table other than a hash-distributed one (whose shards are
+ * checked instead, each as the table itself: shards.c).  A superuser can add any of these; the utility
  * hook (guard.c) refuses the DDL on servers that preload the library, and
  * this check refuses the table itself everywhere, with what is wrong and
  * how to undo it.
@@ -26,7 +27,7 @@
  * every DDL this looks at invalidates the table's relcache entry, so the
  * hot path pays nothing.
  *
- * May call: the catalogs, through the relcache and syscache.
+ * May call: the catalogs, through the relcache and syscache; direct/shards.h.
  *
  *-------------------------------------------------------------------------
  */
@@ -51,6 +52,7 @@
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
 
+#include "direct/shards.h"
 #include "direct/table_check.h"
 
 #define IDEM_SCHEMA "idempotency"
@@ -207,6 +209,10 @@ check_constraints(Relation heap, const ExpectedTable *def, const char *qualified
 	SysScanDesc scan;
 	HeapTuple	tuple;
 	int			nchecks = 0;
+	const char *relname = RelationGetRelationName(heap);
+	/* a Citus shard, "keys_102008", may name its constraints "..._102008" */
+	const char *suffix = strncmp(relname, def->name, strlen(def->name)) == 0 ?
+		relname + strlen(def->name) : "";
 
 	catalog = table_open(ConstraintRelationId, AccessShareLock);
 	ScanKeyInit(&key, Anum_pg_constraint_conrelid, BTEqualStrategyNumber,
@@ -226,7 +232,9 @@ check_constraints(Relation heap, const ExpectedTable *def, const char *qualified
 				break;
 			case CONSTRAINT_CHECK:
 				for (const char *const *check = def->checks; *check != NULL; check++)
-					ours |= strcmp(name, *check) == 0;
+					ours |= strncmp(name, *check, strlen(*check)) == 0 &&
+						(name[strlen(*check)] == '\0' ||
+						 strcmp(name + strlen(*check), suffix) == 0);
 				nchecks += ours;
 				break;
 			default:
@@ -315,31 +323,6 @@ inheritance_parent(Oid relid)
 }
 
 /*
- * Whether Citus has distributed the table: its rows are then in shards,
- * and the table here is an empty shell.  Citus keeps the distributed
- * tables in pg_catalog.pg_dist_partition, keyed by logicalrelid.
- */
-static bool
-distributed_by_citus(Oid relid)
-{
-	Oid			catalog_id = get_relname_relid("pg_dist_partition", PG_CATALOG_NAMESPACE);
-	Relation	catalog;
-	ScanKeyData key;
-	SysScanDesc scan;
-	bool		found;
-
-	if (!OidIsValid(catalog_id))
-		return false;
-	catalog = table_open(catalog_id, AccessShareLock);
-	ScanKeyInit(&key, 1, BTEqualStrategyNumber, F_OIDEQ, ObjectIdGetDatum(relid));
-	scan = systable_beginscan(catalog, InvalidOid, false, NULL, 1, &key);
-	found = HeapTupleIsValid(systable_getnext(scan));
-	systable_endscan(scan);
-	table_close(catalog, AccessShareLock);
-	return found;
-}
-
-/*
  * Refuse the table, with an ERROR saying what is wrong and how to undo it,
  * unless it is exactly what the direct path was built for (see the top of
  * this file).
@@ -387,9 +370,15 @@ idem_check_table(Relation heap, const ExpectedTable *def)
 			   psprintf("ALTER TABLE %s NO INHERIT %s", qualified_name(linitial_oid(children)),
 						qualified));
 
-	if (distributed_by_citus(relid))
+	/*
+	 * Hash distribution is handled by the caller (tables.c opens the shard,
+	 * shards.c), which never passes the shell here; any other kind of Citus
+	 * table (a reference or Citus local table, range or append
+	 * distribution) keeps its rows elsewhere than the direct path looks.
+	 */
+	if (idem_citus_partmethod(relid) != '\0')
 		refuse(def, ERRCODE_FEATURE_NOT_SUPPORTED,
-			   "It is distributed by Citus: its rows are in shards, and this version of idempotency reads and writes the table on the node it runs on.",
-			   psprintf("Keep the extension's tables local: undo it with SELECT undistribute_table('%s').",
+			   "Citus manages it other than by hash distribution (a reference or Citus local table, or range distribution), and idempotency reads and writes a Citus table only in the shard that holds a distribution value.",
+			   psprintf("Distribute the extension's tables with SELECT idempotency.idem_distribute(), or undo it with SELECT undistribute_table('%s').",
 						qualified));
 }

@@ -54,6 +54,7 @@
 
 #include "compat.h"
 #include "direct/table_check.h"
+#include "direct/shards.h"
 #include "direct/tables.h"
 
 #define IDEM_SCHEMA "idempotency"
@@ -132,6 +133,17 @@ static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
  * EXTENSION, a cache reset), so that the next open looks it up again.
  */
 static Oid	cached_relid[IDEM_NUM_TABLES];
+/* and how Citus distributes each (shards.h), '\0' when it does not */
+static char cached_partmethod[IDEM_NUM_TABLES];
+
+/*
+ * The shards of distributed tables that idem_check_table has passed since
+ * they were last invalidated (a shard is a table of its own, with a
+ * relcache entry of its own); past the array's end, a shard is checked at
+ * every open.
+ */
+#define MAX_CHECKED_SHARDS 64
+static Oid	checked_shards[MAX_CHECKED_SHARDS];
 static Oid	cached_sequence = InvalidOid;	/* outbox ids, see idem_outbox_next_id */
 
 /*
@@ -161,10 +173,15 @@ forget_cached_table(Datum arg, Oid relid)
 	for (int i = 0; i < IDEM_NUM_TABLES; i++)
 		if (relid == InvalidOid || relid == cached_relid[i])
 			cached_relid[i] = InvalidOid;
+	for (int i = 0; i < MAX_CHECKED_SHARDS; i++)
+		if (relid == InvalidOid || relid == checked_shards[i])
+			checked_shards[i] = InvalidOid;
 }
 
 /*
- * Open one of our tables, locked until the end of the transaction.
+ * Open one of our tables, locked until the end of the transaction: the
+ * table itself, or the shell of one that Citus hash-distributes (*partmethod
+ * says which: see idem_relation_open for its rows).
  *
  * The OID found last time is locked first: taking the lock processes any
  * invalidation that arrived meanwhile, so if the table was dropped or
@@ -173,8 +190,8 @@ forget_cached_table(Datum arg, Oid relid)
  * by name is RangeVarGetRelid's job, which locks and looks again itself
  * until the two agree.
  */
-Relation
-idem_table_open(IdemTable table, LOCKMODE lockmode)
+static Relation
+open_table(IdemTable table, LOCKMODE lockmode, char *partmethod)
 {
 	const ExpectedTable *def = &table_defs[table];
 	Oid			relid = cached_relid[table];
@@ -190,7 +207,10 @@ idem_table_open(IdemTable table, LOCKMODE lockmode)
 	{
 		LockRelationOid(relid, lockmode);
 		if (cached_relid[table] == relid)
+		{
+			*partmethod = cached_partmethod[table];
 			return table_open(relid, NoLock);
+		}
 		UnlockRelationOid(relid, lockmode);
 	}
 
@@ -202,9 +222,43 @@ idem_table_open(IdemTable table, LOCKMODE lockmode)
 				 errmsg("table \"%s.%s\" does not exist", IDEM_SCHEMA, def->name),
 				 errhint("Run CREATE EXTENSION idempotency in this database.")));
 	heap = table_open(relid, NoLock);
-	idem_check_table(heap, def);
+	/*
+	 * A table that Citus hash-distributes is a shell here: its shards are
+	 * checked instead, when they are opened (open_shard).  Any other kind
+	 * of Citus table is refused by the check.
+	 */
+	*partmethod = idem_citus_partmethod(relid);
+	if (*partmethod != IDEM_CITUS_HASH)
+		idem_check_table(heap, def);
+	cached_partmethod[table] = *partmethod;
 	cached_relid[table] = relid;
 	return heap;
+}
+
+/*
+ * The shard of a distributed table that holds value, opened and locked
+ * (shards.c finds it, or refuses), and checked as the table itself would
+ * be the first time.
+ */
+static Relation
+open_shard(IdemTable table, Relation shell, text *value, LOCKMODE lockmode,
+		   const char *function_name)
+{
+	Oid			relid = idem_shard_for_value(shell, value, function_name);
+	Relation	shard = table_open(relid, lockmode);
+	int			free_slot = -1;
+
+	for (int i = 0; i < MAX_CHECKED_SHARDS; i++)
+	{
+		if (checked_shards[i] == relid)
+			return shard;
+		if (free_slot < 0 && !OidIsValid(checked_shards[i]))
+			free_slot = i;
+	}
+	idem_check_table(shard, &table_defs[table]);
+	if (free_slot >= 0)
+		checked_shards[free_slot] = relid;
+	return shard;
 }
 
 /* What the C code expects of the table (table_check.h). */
@@ -225,21 +279,99 @@ idem_table_def(IdemTable table)
 Oid
 idem_outbox_owner(void)
 {
-	Relation	heap = idem_table_open(IDEM_TABLE_OUTBOX, AccessShareLock);
+	char		partmethod;
+	Relation	heap = open_table(IDEM_TABLE_OUTBOX, AccessShareLock, &partmethod);
 	Oid			owner = heap->rd_rel->relowner;
 
 	table_close(heap, NoLock);
 	return owner;
 }
 
-void
-idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode)
+/*
+ * The relations that hold the table's rows on this node, as OIDs: the
+ * table itself, or, where Citus distributes it, its shards placed here
+ * (none on a coordinator).  For the purge's walk.
+ */
+List *
+idem_table_parts(IdemTable table)
 {
+	char		partmethod;
+	Relation	heap = open_table(table, AccessShareLock, &partmethod);
+	List	   *parts;
+
+	if (partmethod == IDEM_CITUS_HASH)
+		parts = idem_local_shards(RelationGetRelid(heap));
+	else
+		parts = list_make1_oid(RelationGetRelid(heap));
+	table_close(heap, NoLock);
+	return parts;
+}
+
+/*
+ * Open one of the table's parts (idem_table_parts), a shard checked as
+ * open_shard checks it; NULL if it is gone meanwhile (a shard moved away
+ * and dropped).
+ */
+Relation
+idem_table_part_open(IdemTable table, Oid relid, LOCKMODE lockmode)
+{
+	Relation	heap;
+	char		partmethod;
+
+	heap = open_table(table, lockmode, &partmethod);
+	if (RelationGetRelid(heap) == relid)
+		return heap;
+	table_close(heap, NoLock);
+	heap = try_table_open(relid, lockmode);
+	if (heap == NULL)
+		return NULL;
+	for (int i = 0; i < MAX_CHECKED_SHARDS; i++)
+		if (checked_shards[i] == relid)
+			return heap;
+	idem_check_table(heap, &table_defs[table]);
+	return heap;
+}
+
+/*
+ * Whether Citus hash-distributes the table, whose rows are then in shards
+ * that only the functions with a distribution value reach (see
+ * idem_relation_open), not the outbox's SQL.
+ */
+bool
+idem_table_distributed(IdemTable table)
+{
+	char		partmethod;
+	Relation	heap = open_table(table, AccessShareLock, &partmethod);
+
+	table_close(heap, NoLock);
+	return partmethod == IDEM_CITUS_HASH;
+}
+
+/*
+ * Open one of our tables for reading or writing the rows whose
+ * distribution column (its primary key's first: scope, consumer, topic)
+ * is value: the table itself, or, where Citus distributes it, the shard
+ * holding value if this node has it (an ERROR naming function_name and how
+ * to call it otherwise).
+ */
+void
+idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode,
+				   text *value, const char *function_name)
+{
+	char		partmethod;
+
 	memset(rel, 0, sizeof(IdemRelation));
 	rel->table = table;
 	rel->lockmode = lockmode;
 	rel->mcxt = CurrentMemoryContext;
-	rel->heap = idem_table_open(table, lockmode);
+	rel->heap = open_table(table, lockmode, &partmethod);
+	if (partmethod == IDEM_CITUS_HASH)
+	{
+		Relation	shell = rel->heap;
+
+		rel->heap = open_shard(table, shell, value, lockmode, function_name);
+		table_close(shell, NoLock);
+	}
 	/* idem_check_table made sure there is one, and the one expected */
 	rel->pkey = index_open(rel->heap->rd_pkindex, lockmode);
 }
@@ -678,6 +810,12 @@ idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls, int nrows)
  * The next outbox id, from the sequence the outbox's id column defaults to.
  * The caller has the outbox open, so an invalidation that dropped or
  * replaced the sequence has been processed and the cached OID forgotten.
+ *
+ * Where Citus distributes the outbox, each node enqueues with its own
+ * sequence, which Citus leaves alone (it belongs to the extension): the
+ * node's group id goes into the top 16 bits, as Citus does for the
+ * sequences of distributed tables, so that ids are unique in the cluster.
+ * Ids then grow within a node, not across nodes.
  */
 int64
 idem_outbox_next_id(void)
@@ -695,6 +833,9 @@ idem_outbox_next_id(void)
 		cached_sequence = seqid;
 	}
 	/* the caller's EXECUTE on the enqueue function is the permission */
+	if (cached_partmethod[IDEM_TABLE_OUTBOX] == IDEM_CITUS_HASH)
+		return ((int64) Max(idem_citus_local_group(), 0) << 48) +
+			nextval_internal(cached_sequence, false);
 	return nextval_internal(cached_sequence, false);
 }
 

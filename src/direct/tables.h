@@ -136,10 +136,14 @@ typedef struct ProbeResult
 } ProbeResult;
 
 extern Oid	idem_outbox_owner(void);
-extern Relation idem_table_open(IdemTable table, LOCKMODE lockmode);
 extern const ExpectedTable *idem_table_def(IdemTable table);
+extern bool idem_table_distributed(IdemTable table);
+extern List *idem_table_parts(IdemTable table);
+extern Relation idem_table_part_open(IdemTable table, Oid relid,
+									 LOCKMODE lockmode);
 extern void idem_relation_open(IdemRelation *rel, IdemTable table,
-							   LOCKMODE lockmode);
+							   LOCKMODE lockmode, text *value,
+							   const char *function_name);
 extern void idem_relation_close(IdemRelation *rel);
 
 extern void idem_probe(IdemRelation *rel, const Datum *pkey_values,

@@ -1,0 +1,157 @@
+/*-------------------------------------------------------------------------
+ *
+ * delegation_guard.c
+ *	  Refuses, before Citus plans it, a query from which Citus would delegate
+ *	  one of the extension's functions and crash.
+ *
+ * Citus delegates a distributed function to the node of the shard that
+ * holds its distribution argument when the call is the whole query: SELECT
+ * f(...), or SELECT ... FROM f(...) with nothing else in FROM and no WHERE.
+ * For a query that names no distributed table, its planner hook decides
+ * that after standard_planner has run, on the Query the planner rewrote in
+ * place, and deparses that Query to send it (TryToDelegateFunctionCall, in
+ * Citus 13.2 and in its main branch as of this writing).  Planning may
+ * have pulled a subquery up into the query (a VALUES list or sub-SELECT in
+ * FROM, a view, an inlined WITH query), leaving the call as the only FROM
+ * item, so that Citus delegates it; but the pull-up left the subquery's
+ * range table entry with no subquery (NULL), which Citus's deparser
+ * dereferences while it takes the query's locks (AcquireRewriteLocks).  The
+ * backend dies of SIGSEGV, and the postmaster restarts every session:
+ *
+ *	SELECT count(*) FROM idempotency.idem_claim('t1', 'k') c, (VALUES (1)) v;
+ *
+ * Any function Citus distributes does this; the Custom Scan of claim_scan.c
+ * plays no part (it is never planned for such a call: Citus's planner fails
+ * first).  This hook runs before Citus's (our library comes after citus in
+ * shared_preload_libraries, which Citus requires), and refuses with 0A000 a
+ * query that calls one of the extension's functions that Citus delegates
+ * when planning could leave it so: a SELECT with a subquery or a WITH query
+ * and no table in its FROM, at any depth (a table would stay in FROM beside
+ * the call, and Citus would not delegate).  Such a query cannot be
+ * delegated as written; undelegated, the call runs on the node the query
+ * reached, which works only where the shard happens to be placed on that
+ * node (elsewhere it is refused, 55000).  So the refusal costs nothing that
+ * worked reliably, and the answer does not depend on the shard's placement.
+ *
+ * What is checked first costs a walk of the query's range table, and the
+ * catalogs are read only for a query with a subquery or WITH query that
+ * calls a function of the schema idempotency.
+ *
+ * Owns: the planner hook.
+ * May call: direct/shards.h (whether Citus delegates a function).
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "catalog/namespace.h"
+#include "nodes/nodeFuncs.h"
+#include "optimizer/planner.h"
+#include "utils/lsyscache.h"
+
+#include "api/delegation_guard.h"
+#include "direct/shards.h"
+
+static planner_hook_type prev_planner_hook = NULL;
+
+/* Could planning pull a subquery up into the query: has it one, or a WITH? */
+static bool
+has_subquery_or_with(Query *query)
+{
+	ListCell   *lc;
+
+	if (query->cteList != NIL)
+		return true;
+	foreach(lc, query->rtable)
+	{
+		if (lfirst_node(RangeTblEntry, lc)->rtekind == RTE_SUBQUERY)
+			return true;
+	}
+	return false;
+}
+
+/* Has FROM a table, in the query or in its subqueries and WITH queries? */
+static bool
+from_has_table(Query *query)
+{
+	ListCell   *lc;
+
+	foreach(lc, query->rtable)
+	{
+		RangeTblEntry *rte = lfirst_node(RangeTblEntry, lc);
+
+		/* (a view's query at 15 also lists itself, as OLD and NEW, not in FROM) */
+		if (rte->rtekind == RTE_RELATION && rte->inFromCl)
+			return true;
+		if (rte->rtekind == RTE_SUBQUERY && rte->subquery != NULL &&
+			from_has_table(rte->subquery))
+			return true;
+	}
+	foreach(lc, query->cteList)
+	{
+		CommonTableExpr *cte = lfirst_node(CommonTableExpr, lc);
+
+		if (IsA(cte->ctequery, Query) && from_has_table((Query *) cte->ctequery))
+			return true;
+	}
+	return false;
+}
+
+/*
+ * Find a call of a function of the schema idempotency that Citus
+ * delegates, anywhere but in a SubLink (Citus delegates only a call that
+ * is the whole query): *funcid is set to it.
+ */
+static bool
+find_delegated_call(Node *node, Oid *funcid)
+{
+	if (node == NULL || IsA(node, SubLink))
+		return false;
+	if (IsA(node, FuncExpr))
+	{
+		Oid			fn = ((FuncExpr *) node)->funcid;
+		Oid			schema = get_namespace_oid("idempotency", true);
+
+		if (OidIsValid(schema) && get_func_namespace(fn) == schema &&
+			idem_citus_delegates_function(fn))
+		{
+			*funcid = fn;
+			return true;
+		}
+	}
+	if (IsA(node, Query))
+		return query_tree_walker((Query *) node, find_delegated_call, funcid, 0);
+	return expression_tree_walker(node, find_delegated_call, funcid);
+}
+
+static PlannedStmt *
+guard_planner(Query *parse, const char *query_string, int cursorOptions,
+			  ParamListInfo boundParams)
+{
+	Oid			funcid = InvalidOid;
+
+	if (parse->commandType == CMD_SELECT && parse->utilityStmt == NULL &&
+		has_subquery_or_with(parse) && !from_has_table(parse) &&
+		find_delegated_call((Node *) parse, &funcid))
+	{
+		char	   *name = get_func_name(funcid);
+
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("%s() cannot be called beside a subquery, a VALUES list, a view or a WITH query when Citus distributes it",
+						name),
+				 errdetail("Citus would delegate the call from the query as its planner rewrote it, which Citus fails to deparse: the server process would crash."),
+				 errhint("Call it as the whole query, SELECT ... FROM idempotency.%s(...), so that Citus runs it on the node of the shard, and run the rest as a statement of its own.",
+						 name)));
+	}
+	if (prev_planner_hook)
+		return prev_planner_hook(parse, query_string, cursorOptions, boundParams);
+	return standard_planner(parse, query_string, cursorOptions, boundParams);
+}
+
+void
+idem_delegation_guard_register(void)
+{
+	prev_planner_hook = planner_hook;
+	planner_hook = guard_planner;
+}
