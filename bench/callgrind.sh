@@ -20,6 +20,9 @@
 # batch's, plus the round trips that the single calls pay and a
 # single-user server does not.
 #
+# BENCH_CALLGRIND_KEEP=PREFIX keeps each count's callgrind output (of its
+# longer run) as PREFIX.<label>, for callgrind_annotate.
+#
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,45 +55,37 @@ calls() {
 	echo "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), lsn) AS wal_bytes FROM wal;"
 }
 
-# count LABEL STATEMENT: prints instructions and WAL bytes per call
+# count_runs LABEL STATEMENT FEW MANY IDS UNIT: runs STATEMENT FEW times,
+# then MANY times, each run counted by callgrind; IDS is how many more ids
+# the second run wrote.  Prints the instructions an id (the difference of
+# the runs over IDS) and the WAL bytes an id (the second run's WAL over its
+# ids, MANY * IDS / (MANY - FEW)), labelled "a UNIT".
+count_runs() {
+	local label=$1 statement=$2 few=$3 many=$4 ids=$5 unit=$6 n ir=() wal
+	for n in "$few" "$many"; do
+		calls "$statement" "$n" >"$dir/in"
+		chmod 644 "$dir/in"
+		single valgrind --tool=callgrind --callgrind-out-file="$dir/callgrind.out" \
+			<"$dir/in" >"$dir/out" 2>"$dir/err"
+		ir+=("$(sed -n 's/.*Collected : \([0-9]*\).*/\1/p' "$dir/err")")
+		wal=$(sed -n 's/.*wal_bytes = "\([0-9]*\)".*/\1/p' "$dir/out")
+	done
+	if [ -n "${BENCH_CALLGRIND_KEEP:-}" ]; then
+		cp "$dir/callgrind.out" "$BENCH_CALLGRIND_KEEP.$(echo "$label" | tr -c 'a-z0-9\n' _)"
+	fi
+	printf '%-44s %8d instructions, %4d WAL bytes %s\n' "$label" \
+		$(((ir[1] - ir[0]) / ids)) $((wal / (many * ids / (many - few)))) "$unit"
+}
+
+# count LABEL STATEMENT: a call of one new key, 500 and 1,500 calls
 count() {
-	local label=$1 statement=$2 n ir=() wal
-	for n in 500 1500; do
-		calls "$statement" $n >"$dir/in"
-		chmod 644 "$dir/in"
-		single valgrind --tool=callgrind --callgrind-out-file="$dir/callgrind.out" \
-			<"$dir/in" >"$dir/out" 2>"$dir/err"
-		ir+=("$(sed -n 's/.*Collected : \([0-9]*\).*/\1/p' "$dir/err")")
-		wal=$(sed -n 's/.*wal_bytes = "\([0-9]*\)".*/\1/p' "$dir/out")
-	done
-	printf '%-44s %8d instructions, %4d WAL bytes a call\n' "$label" \
-		$(((ir[1] - ir[0]) / 1000)) $((wal / 1500))
+	count_runs "$1" "$2" 500 1500 1000 "a call"
 }
 
-# batch_calls STATEMENT N: N executions of a statement of 500 new ids ($1
-# prefixes them), as single-user mode reads them
-batch_calls() {
-	local statement=$1 n=$2
-	echo "PREPARE s(text) AS $statement;"
-	echo "CREATE TEMP TABLE wal AS SELECT pg_current_wal_insert_lsn() AS lsn;"
-	for ((k = 1; k <= n; k++)); do echo "EXECUTE s('$n-$k');"; done
-	echo "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), lsn) AS wal_bytes FROM wal;"
-}
-
-# count_batch LABEL STATEMENT: prints instructions and WAL bytes per id
+# count_batch LABEL STATEMENT: an id of a call of 500 new ids ($1 prefixes
+# them), 2 and 6 calls
 count_batch() {
-	local label=$1 statement=$2 n ir=() wal
-	for n in 2 6; do
-		batch_calls "$statement" $n >"$dir/in"
-		chmod 644 "$dir/in"
-		single valgrind --tool=callgrind --callgrind-out-file="$dir/callgrind.out" \
-			<"$dir/in" >"$dir/out" 2>"$dir/err"
-		ir+=("$(sed -n 's/.*Collected : \([0-9]*\).*/\1/p' "$dir/err")")
-		wal=$(sed -n 's/.*wal_bytes = "\([0-9]*\)".*/\1/p' "$dir/out")
-	done
-	[ -n "${BENCH_CALLGRIND_KEEP:-}" ] && cp "$dir/callgrind.out" "$BENCH_CALLGRIND_KEEP.$(echo "$label" | tr -c 'a-z0-9\n' _)"
-	printf '%-44s %8d instructions, %4d WAL bytes an id\n' "$label" \
-		$(((ir[1] - ir[0]) / 2000)) $((wal / 3000))
+	count_runs "$1" "$2" 2 6 2000 "an id"
 }
 
 echo "PostgreSQL $("$PG_CONFIG" --version | awk '{ print $2 }'), callgrind, postgres --single"

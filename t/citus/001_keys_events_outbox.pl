@@ -46,17 +46,25 @@ is(call(q{
 		AND o.force_delegation}),
 	'11', 'the eleven functions are distributed by their first argument, delegated in transaction blocks');
 
+# The one-transaction flow of tenant t1's payment $id, key pay-$id: claim,
+# payment and completion in one transaction; returns the outcome of the
+# claim of a retry made after it.
+sub pay_once
+{
+	my ($id) = @_;
+	return CitusCluster::outcome(last_line(call(qq{
+		BEGIN;
+		SELECT idempotency.idem_claim('t1', 'pay-$id');
+		INSERT INTO payments VALUES ('t1', $id, 100);
+		SELECT idempotency.idem_complete('t1', 'pay-$id', 201, 'paid');
+		COMMIT;
+		SELECT idempotency.idem_claim('t1', 'pay-$id');})));
+}
+
 # --- keys, one transaction: the claim, the payment and the completion
 # commit together on the worker of tenant t1's shard
 my $t1_worker = $cluster->node_of('idempotency.keys', 't1');
-is(CitusCluster::outcome(last_line(call(q{
-	BEGIN;
-	SELECT idempotency.idem_claim('t1', 'pay-1');
-	INSERT INTO payments VALUES ('t1', 1, 100);
-	SELECT idempotency.idem_complete('t1', 'pay-1', 201, 'paid');
-	COMMIT;
-	SELECT idempotency.idem_claim('t1', 'pay-1');}))),
-	'replay', 'a key completed inside BEGIN replays to its retry');
+is(pay_once(1), 'replay', 'a key completed inside BEGIN replays to its retry');
 like(call(q{SELECT idempotency.idem_claim('t1', 'pay-1')}), qr/^\(replay,201,paid,/,
 	'the stored response');
 is(call(q{SELECT outcome || ' ' || status_code || ' ' || body FROM idempotency.idem_claim('t1', 'pay-1')}),
@@ -200,14 +208,7 @@ like(call(q{SELECT idempotency.idem_claim('t1', 'pay-1')}), qr/^\(replay,201,pai
 	'a completed key replays from its new node');
 is(call(q{SELECT idempotency.idem_mark_processed('t1', 'event-1')}), 'f',
 	'a processed event is still a duplicate there');
-is(CitusCluster::outcome(last_line(call(q{
-	BEGIN;
-	SELECT idempotency.idem_claim('t1', 'pay-4');
-	INSERT INTO payments VALUES ('t1', 4, 100);
-	SELECT idempotency.idem_complete('t1', 'pay-4', 201, 'paid');
-	COMMIT;
-	SELECT idempotency.idem_claim('t1', 'pay-4');}))),
-	'replay', 'and the one-transaction flow runs there');
+is(pay_once(4), 'replay', 'and the one-transaction flow runs there');
 ($ret, $out, $err) = $from->psql('postgres',
 	q{SELECT (idempotency.idem_claim('t1', 'pay-9')).outcome});
 like($err, qr/cannot run on this node/, 'the old node refuses the key now');
