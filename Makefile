@@ -94,7 +94,7 @@ $(OBJS): $(wildcard src/*.h src/*/*.h)
 include-graph:
 	python3 scripts/include-graph.py
 
-.PHONY: test demo bench test-matrix check-regress check-isolation check-tap check-citus check-examples check-installcheck
+.PHONY: test demo bench bench-citus test-matrix check-regress check-isolation check-tap check-citus check-examples check-installcheck
 
 # The scripts pick the server version themselves (scripts/common.sh): a
 # PG_CONFIG or PG_MAJOR given on make's command line or in the environment
@@ -137,6 +137,18 @@ ifneq ($(CITUS_INSTALLED),)
 	$(prove_installcheck)
 else
 	@echo "citus suite: not run (citus is not installed in this server)"
+endif
+
+# bench/citus.pl: claim + complete and replay through a Citus coordinator
+# against one node, with the extension installed (make install) in a server
+# that has citus too
+bench-citus: PROVE_TESTS = bench/citus.pl
+bench-citus: PROVE_FLAGS += --verbose
+bench-citus:
+ifneq ($(CITUS_INSTALLED),)
+	$(prove_installcheck)
+else
+	@echo "bench-citus: not run (citus is not installed in this server)"
 endif
 
 # examples/*/test.sh against a temporary instance, directly and through
