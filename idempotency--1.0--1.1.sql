@@ -317,6 +317,65 @@ COMMENT ON FUNCTION idempotency.idem_distribute(regclass) IS
 
 REVOKE ALL ON FUNCTION idempotency.idem_distribute(regclass) FROM PUBLIC;
 
+/*
+ * On Citus, the counters of idempotency.stats are the node's own (each
+ * node's shared memory), while its row counts are the cluster's (Citus
+ * counts every shard).  This gives every node's counters, read on each
+ * node through Citus: a node that does not answer is an error, not a row
+ * left out.  The sum of a column is the cluster's.
+ */
+CREATE FUNCTION idempotency.idem_cluster_counters(OUT nodename text,
+												  OUT nodeport integer,
+												  OUT claims bigint,
+												  OUT replays bigint,
+												  OUT conflicts bigint,
+												  OUT mismatches bigint,
+												  OUT takeovers bigint,
+												  OUT released bigint,
+												  OUT purged bigint,
+												  OUT published bigint,
+												  OUT publish_failures bigint,
+												  OUT purge_yields bigint,
+												  OUT worker_last_round timestamptz,
+												  OUT worker_pid integer)
+RETURNS SETOF record
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	node record;
+BEGIN
+	IF NOT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus') THEN
+		RAISE EXCEPTION 'idem_cluster_counters() needs the citus extension'
+			USING ERRCODE = 'object_not_in_prerequisite_state',
+				  HINT = 'On one server, idempotency.stats and idempotency.idem_stats_counters() have its counters.';
+	END IF;
+	FOR node IN EXECUTE
+		$q$SELECT n.nodename::text AS nodename, n.nodeport, r.success, r.result
+		   FROM run_command_on_all_nodes(
+		            'SELECT coalesce(json_agg(c), ''[]'') FROM idempotency.idem_stats_counters() c') r
+		   JOIN pg_dist_node n ON n.nodeid = r.nodeid
+		   ORDER BY n.nodename, n.nodeport$q$
+	LOOP
+		IF NOT node.success THEN
+			RAISE EXCEPTION 'idem_cluster_counters(): node %:% did not answer', node.nodename, node.nodeport
+				USING ERRCODE = 'connection_failure', DETAIL = node.result;
+		END IF;
+		RETURN QUERY
+			SELECT node.nodename, node.nodeport, c.*
+			FROM json_to_recordset(node.result::json) AS c (claims bigint, replays bigint,
+				conflicts bigint, mismatches bigint, takeovers bigint, released bigint,
+				purged bigint, published bigint, publish_failures bigint, purge_yields bigint,
+				worker_last_round timestamptz, worker_pid integer);
+	END LOOP;
+END
+$$;
+
+COMMENT ON FUNCTION idempotency.idem_cluster_counters() IS
+	'Citus: every node''s cumulative counters and worker state (idem_stats_counters() on each node, through Citus); their sum is the cluster''s';
+
+REVOKE ALL ON FUNCTION idempotency.idem_cluster_counters() FROM PUBLIC;
+
 
 /* the grants are carried: the helper goes */
 DROP FUNCTION idempotency._carry_grants(regprocedure, regprocedure);

@@ -23,3 +23,5 @@ ORDER BY 1;
 
 -- without Citus, idem_distribute() refuses and says what it needs
 SELECT idempotency.idem_distribute();
+-- nor does idem_cluster_counters(): one server's counters are in the view
+SELECT * FROM idempotency.idem_cluster_counters();

@@ -6,7 +6,8 @@
 # call that reaches a node without the shard is refused, and one beside a
 # subquery is refused before Citus's planner could crash on it; a claim follows
 # its shard when the shard moves; 32 sessions racing for one key through the
-# coordinator execute it once.
+# coordinator execute it once; idem_cluster_counters() reads every node's
+# counters.
 
 use strict;
 use warnings;
@@ -266,6 +267,20 @@ for my $round (1 .. 3)
 }
 like(call(q{SELECT idempotency.idem_claim('race', 'key-1')}), qr/^\(replay,201,done,/,
 	"the race's winner's response replays");
+
+# --- the counters of every node, through the coordinator: each node's row
+# is what that node's own idem_stats_counters() says
+my $cluster_counters = call(q{
+	SELECT string_agg(nodeport || ':' || claims || ':' || replays || ':' || conflicts, ' '
+	                  ORDER BY nodeport)
+	FROM idempotency.idem_cluster_counters()});
+my $own_counters = join(' ', map {
+	$_->port . ':' . $_->safe_psql('postgres',
+		q{SELECT claims || ':' || replays || ':' || conflicts FROM idempotency.idem_stats_counters()})
+} sort { $a->port <=> $b->port } ($c, $w1, $w2));
+is($cluster_counters, $own_counters, "idem_cluster_counters() has each node's own counters");
+cmp_ok(call(q{SELECT sum(claims) FROM idempotency.idem_cluster_counters()}), '>=', 3,
+	'their sum counts the claims of the race rounds, made on the workers');
 
 $cluster->stop;
 done_testing();
