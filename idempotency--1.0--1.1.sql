@@ -248,6 +248,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
 	column_name name;
+	column_type oid;
 	column_collation oid;
 	fn record;
 BEGIN
@@ -260,7 +261,7 @@ BEGIN
 
 	IF colocate_with IS NOT NULL THEN
 		/* Citus colocates text columns of one collation only: say which */
-		SELECT a.attname, a.attcollation INTO column_name, column_collation
+		SELECT a.attname, a.atttypid, a.attcollation INTO column_name, column_type, column_collation
 		FROM pg_dist_partition p
 		JOIN pg_attribute a ON a.attrelid = p.logicalrelid
 			AND a.attname = column_to_column_name(p.logicalrelid, p.partkey)
@@ -270,12 +271,19 @@ BEGIN
 				USING ERRCODE = 'invalid_parameter_value',
 					  HINT = 'Distribute it first with create_distributed_table(), by its tenant column.';
 		END IF;
+		IF column_type <> 'pg_catalog.text'::regtype THEN
+			RAISE EXCEPTION 'column % of table % must be of type text, not %', column_name, colocate_with,
+				format_type(column_type, NULL)
+				USING ERRCODE = 'datatype_mismatch',
+					  DETAIL = 'The extension''s tables are distributed by text columns of collation "C" (scope, consumer, topic), and Citus colocates only distribution columns of one type and collation.',
+					  HINT = 'Distribute the application''s table by a text COLLATE "C" column, or call idem_distribute() without it.';
+		END IF;
 		IF column_collation <> 'pg_catalog."C"'::regcollation THEN
 			RAISE EXCEPTION 'column % of table % must have collation "C"', column_name, colocate_with
 				USING ERRCODE = 'collation_mismatch',
 					  DETAIL = 'The extension''s tables are distributed by text columns of collation "C" (scope, consumer, topic), and Citus colocates only distribution columns of one collation.',
-					  HINT = format('Declare it "%s text COLLATE \"C\"" (ALTER TABLE %s ALTER %s TYPE text COLLATE "C", before distributing the table).',
-									column_name, colocate_with, quote_ident(column_name));
+					  HINT = format('Citus does not alter a distribution column: undistribute the table (SELECT undistribute_table(%L)), ALTER TABLE %s ALTER %s TYPE text COLLATE "C", and distribute it again.',
+									colocate_with::text, colocate_with, quote_ident(column_name));
 		END IF;
 	END IF;
 

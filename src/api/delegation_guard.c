@@ -26,12 +26,19 @@
  * shared_preload_libraries, which Citus requires), and refuses with 0A000 a
  * query that calls one of the extension's functions that Citus delegates
  * when planning could leave it so: a SELECT with a subquery or a WITH query
- * and no table in its FROM, at any depth (a table would stay in FROM beside
- * the call, and Citus would not delegate).  Such a query cannot be
- * delegated as written; undelegated, the call runs on the node the query
- * reached, which works only where the shard happens to be placed on that
- * node (elsewhere it is refused, 55000).  So the refusal costs nothing that
- * worked reliably, and the answer does not depend on the shard's placement.
+ * and no table in its FROM or in the subqueries and WITH queries its FROM
+ * names, at any depth (a table would stay in FROM beside the call, and
+ * Citus would not delegate).  Such a query cannot be delegated as written;
+ * undelegated, the call runs on the node the query reached, which works
+ * only where the shard happens to be placed on that node (elsewhere it is
+ * refused, 55000).  The refusal is a deliberate trade-off: where Citus
+ * would not have delegated anyway (the shard is on the node the query
+ * reached, as on a single-node cluster, or the query runs inside a
+ * delegated function of the application's), the query would have worked
+ * and is refused all the same, so that its answer never depends on where
+ * the shard is placed.  A SQL function of the application's that the
+ * planner inlines can still bring the shape in unseen (the original query
+ * shows no subquery): doc/integrations/citus.md says so.
  *
  * What is checked first costs a walk of the query's range table, and the
  * catalogs are read only for a query with a subquery or WITH query that
@@ -70,7 +77,12 @@ has_subquery_or_with(Query *query)
 	return false;
 }
 
-/* Has FROM a table, in the query or in its subqueries and WITH queries? */
+/*
+ * Has FROM a table, in the query or in the subqueries and WITH queries its
+ * FROM names?  Only what FROM names counts: Citus looks at the FROM of the
+ * query as planned, where a WITH query that FROM does not name, or names
+ * from an outer level, leaves nothing.  (A false answer only refuses more.)
+ */
 static bool
 from_has_table(Query *query)
 {
@@ -80,19 +92,27 @@ from_has_table(Query *query)
 	{
 		RangeTblEntry *rte = lfirst_node(RangeTblEntry, lc);
 
-		/* (a view's query at 15 also lists itself, as OLD and NEW, not in FROM) */
-		if (rte->rtekind == RTE_RELATION && rte->inFromCl)
+		if (!rte->inFromCl)
+			continue;			/* (a view's query at 15 also lists itself, as OLD and NEW) */
+		if (rte->rtekind == RTE_RELATION)
 			return true;
 		if (rte->rtekind == RTE_SUBQUERY && rte->subquery != NULL &&
 			from_has_table(rte->subquery))
 			return true;
-	}
-	foreach(lc, query->cteList)
-	{
-		CommonTableExpr *cte = lfirst_node(CommonTableExpr, lc);
+		if (rte->rtekind == RTE_CTE && rte->ctelevelsup == 0)
+		{
+			ListCell   *lc2;
 
-		if (IsA(cte->ctequery, Query) && from_has_table((Query *) cte->ctequery))
-			return true;
+			foreach(lc2, query->cteList)
+			{
+				CommonTableExpr *cte = lfirst_node(CommonTableExpr, lc2);
+
+				if (strcmp(cte->ctename, rte->ctename) == 0 &&
+					IsA(cte->ctequery, Query) &&
+					from_has_table((Query *) cte->ctequery))
+					return true;
+			}
+		}
 	}
 	return false;
 }

@@ -265,6 +265,7 @@ idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 	}
 
 	memset(&left, 0, sizeof(left));
+	left.relid = purged->relid;
 	left.first = purged->first;
 	left.xid = purged->xid;
 	end = Min(purged->first + purged->span, RelationGetNumberOfBlocks(heap));

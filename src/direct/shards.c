@@ -62,6 +62,7 @@
 /* pg_dist_partition (logicalrelid, partmethod, ...) */
 #define Anum_dist_partition_logicalrelid 1
 #define Anum_dist_partition_partmethod 2
+#define Anum_dist_partition_partkey 3
 /* pg_dist_shard (logicalrelid, shardid, ...) */
 #define Anum_dist_shard_logicalrelid 1
 #define Anum_dist_shard_shardid 2
@@ -114,6 +115,49 @@ idem_citus_partmethod(Oid relid)
 	systable_endscan(scan);
 	table_close(catalog, AccessShareLock);
 	return method;
+}
+
+/*
+ * The column Citus distributes the table by: the varattno of the Var that
+ * pg_dist_partition.partkey holds as text ("{VAR :varno 1 :varattno 2
+ * ..."), or InvalidAttrNumber when there is none (a reference table) or
+ * Citus does not know the table.
+ */
+AttrNumber
+idem_citus_distribution_column(Oid relid)
+{
+	Oid			catalog_id = citus_catalog("pg_dist_partition");
+	Relation	catalog;
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tuple;
+	AttrNumber	attnum = InvalidAttrNumber;
+
+	if (!OidIsValid(catalog_id))
+		return InvalidAttrNumber;
+	catalog = table_open(catalog_id, AccessShareLock);
+	ScanKeyInit(&key, Anum_dist_partition_logicalrelid, BTEqualStrategyNumber,
+				F_OIDEQ, ObjectIdGetDatum(relid));
+	scan = systable_beginscan(catalog, InvalidOid, false, NULL, 1, &key);
+	if (HeapTupleIsValid(tuple = systable_getnext(scan)))
+	{
+		bool		isnull;
+		Datum		value = heap_getattr(tuple, Anum_dist_partition_partkey,
+										 RelationGetDescr(catalog), &isnull);
+
+		if (!isnull)
+		{
+			char	   *partkey = TextDatumGetCString(value);
+			char	   *field = strstr(partkey, ":varattno ");
+
+			if (field != NULL)
+				attnum = (AttrNumber) strtol(field + strlen(":varattno "), NULL, 10);
+			pfree(partkey);
+		}
+	}
+	systable_endscan(scan);
+	table_close(catalog, AccessShareLock);
+	return attnum;
 }
 
 /* A function of Citus's in pg_catalog, or an ERROR saying Citus is missing. */
@@ -267,7 +311,7 @@ idem_shard_for_value(Relation shell_rel, text *value, const char *function_name)
 	Oid			saved_userid;
 	int			saved_sec_context;
 	int64		shard;
-	int64		locked = 0;
+	int64		locked = -1;		/* no shard id */
 	int32		group;
 	Oid			relid;
 
@@ -279,6 +323,15 @@ idem_shard_for_value(Relation shell_rel, text *value, const char *function_name)
 		shard = shard_id_for_value(shell, value);
 		if (shard == locked)
 			break;
+		/* Citus answers 0 when no shard covers the value: its metadata is broken */
+		if (shard == 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("%s cannot run: Citus has no shard of table \"%s.%s\" for \"%s\"",
+							function_name,
+							get_namespace_name(get_rel_namespace(shell)), get_rel_name(shell),
+							text_to_cstring(value)),
+					 errdetail("pg_dist_shard has no shard whose hash range covers the value.")));
 		/* a split may have replaced the shard while we waited: look again */
 		lock_shard_metadata(shard);
 		locked = shard;

@@ -16,6 +16,7 @@
 #define IDEM_CITUS_HASH 'h'
 
 extern char idem_citus_partmethod(Oid relid);
+extern AttrNumber idem_citus_distribution_column(Oid relid);
 extern Oid	idem_shard_for_value(Relation shell, text *value,
 								 const char *function_name);
 extern List *idem_local_shards(Oid shell);

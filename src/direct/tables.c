@@ -190,6 +190,37 @@ forget_cached_table(Datum arg, Oid relid)
  * by name is RangeVarGetRelid's job, which locks and looks again itself
  * until the two agree.
  */
+/*
+ * A hash-distributed table must be distributed by the column the functions
+ * find its shard by (its first key column: scope, consumer, topic), as
+ * idem_distribute() does it; otherwise the functions and Citus would each
+ * put a row in another shard.
+ */
+static void
+check_distribution_column(Relation heap, IdemTable table)
+{
+	static const char *const expected[IDEM_NUM_TABLES] = {
+		[IDEM_TABLE_KEYS] = "scope",
+		[IDEM_TABLE_EVENTS] = "consumer",
+		[IDEM_TABLE_OUTBOX] = "topic",
+	};
+	AttrNumber	attnum = idem_citus_distribution_column(RelationGetRelid(heap));
+	TupleDesc	desc = RelationGetDescr(heap);
+	const char *actual = NULL;
+
+	if (attnum > 0 && attnum <= desc->natts && !TupleDescAttr(desc, attnum - 1)->attisdropped)
+		actual = NameStr(TupleDescAttr(desc, attnum - 1)->attname);
+	if (actual == NULL || strcmp(actual, expected[table]) != 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("table \"%s.%s\" is distributed by column \"%s\", not by \"%s\"",
+						IDEM_SCHEMA, RelationGetRelationName(heap),
+						actual != NULL ? actual : "?", expected[table]),
+				 errdetail("The functions find a row's shard by its \"%s\"; Citus would look for it in another shard.",
+						   expected[table]),
+				 errhint("Undistribute it (undistribute_table) and run idempotency.idem_distribute().")));
+}
+
 static Relation
 open_table(IdemTable table, LOCKMODE lockmode, char *partmethod)
 {
@@ -230,6 +261,8 @@ open_table(IdemTable table, LOCKMODE lockmode, char *partmethod)
 	*partmethod = idem_citus_partmethod(relid);
 	if (*partmethod != IDEM_CITUS_HASH)
 		idem_check_table(heap, def);
+	else
+		check_distribution_column(heap, table);
 	cached_partmethod[table] = *partmethod;
 	cached_relid[table] = relid;
 	return heap;

@@ -62,6 +62,24 @@ sub pay_once
 		SELECT idempotency.idem_claim('t1', 'pay-$id');})));
 }
 
+# a table to colocate with must be distributed by a text COLLATE "C" column:
+# the checks come before anything is distributed
+call(q{
+	CREATE TABLE by_int (tenant int);
+	SELECT create_distributed_table('by_int', 'tenant', colocate_with => 'none');
+	CREATE TABLE by_text (tenant text);
+	SELECT create_distributed_table('by_text', 'tenant', colocate_with => 'none');});
+my ($ret, $out, $err) = $c->psql('postgres',
+	"\\set VERBOSITY verbose\nSELECT idempotency.idem_distribute('by_int')");
+like($err, qr/42804: column tenant of table public.by_int must be of type text, not integer/,
+	'a table distributed by an integer is refused (42804)');
+($ret, $out, $err) = $c->psql('postgres',
+	"\\set VERBOSITY verbose\nSELECT idempotency.idem_distribute('by_text')");
+like($err, qr/42P21: column tenant of table public.by_text must have collation "C"/,
+	'one distributed by text of another collation too (42P21)');
+like($err, qr/HINT:  Citus does not alter a distribution column: undistribute the table \(SELECT undistribute_table\('public.by_text'\)\), ALTER TABLE public.by_text ALTER tenant TYPE text COLLATE "C"/,
+	'with the steps that fix it');
+
 # --- keys, one transaction: the claim, the payment and the completion
 # commit together on the worker of tenant t1's shard
 my $t1_worker = $cluster->node_of('idempotency.keys', 't1');
@@ -102,7 +120,7 @@ is(CitusCluster::outcome(call(q{SELECT idempotency.idem_claim('t2', 'pay-5')})),
 like(call(q{SELECT idempotency.idem_claim('t2', 'pay-3')}), qr/^\(replay,200,ok,/, 'and replays');
 
 # --- a call on a node without the shard is refused, never run on the shell
-my ($ret, $out, $err) = $c->psql('postgres',
+($ret, $out, $err) = $c->psql('postgres',
 	q{SELECT (idempotency.idem_claim('t1', 'pay-9')).outcome});
 isnt($ret, 0, 'a call inside an expression is not delegated, and the coordinator holds no shard');
 like($err, qr/idem_claim\(\) cannot run on this node: shard \d+ of table "idempotency.keys" is not placed here/,
@@ -119,10 +137,17 @@ is($other->safe_psql('postgres', q{SELECT pg_relation_size('idempotency.keys')})
 # --- a call beside a subquery, a VALUES list, a view or a WITH query is
 # refused before Citus plans it (0A000): Citus would delegate it from the
 # query as its planner rewrote it (the subquery pulled up and gone), whose
-# deparsing crashed the coordinator's backend (SIGSEGV)
+# deparsing crashed the coordinator's backend (SIGSEGV); a table in a WITH
+# query that FROM does not name (a local table of the coordinator's) leaves
+# the call alone in FROM all the same
+call(q{CREATE TABLE app_settings (v int); INSERT INTO app_settings VALUES (1)});
 for my $query (
 	q{SELECT count(*) FROM idempotency.idem_claim('t1', 'pay-9') c, (VALUES (1)) v},
 	q{SELECT outcome FROM (SELECT * FROM idempotency.idem_claim('t1', 'pay-9')) s},
+	q{WITH s AS (SELECT v FROM app_settings)
+	  SELECT c.outcome, (SELECT v FROM s) FROM idempotency.idem_claim('t1', 'pay-9') c, (VALUES (1)) v},
+	q{WITH s AS (SELECT v FROM app_settings)
+	  SELECT count(*) FROM idempotency.idem_claim('t1', 'pay-9') c, (VALUES (1)) v},
 	q{SELECT idempotency.idem_mark_processed('t1', 'event-9') FROM (SELECT 1) s})
 {
 	($ret, $out, $err) = $c->psql('postgres', "\\set VERBOSITY verbose\n$query");
@@ -267,6 +292,28 @@ for my $round (1 .. 3)
 }
 like(call(q{SELECT idempotency.idem_claim('race', 'key-1')}), qr/^\(replay,201,done,/,
 	"the race's winner's response replays");
+
+# --- a superuser's edit of Citus's metadata says processed_events is
+# distributed by event_id: the functions would find a row's shard by its
+# consumer where Citus looks by event_id, so they refuse the table (0A000)
+# rather than write a shard Citus would not read (Citus does not let
+# undistribute_table touch an extension's table, so the edit is the way),
+# on the worker that holds t1's shards since the move, where the call runs
+my $events_partkey = $to->safe_psql('postgres',
+	"SELECT partkey FROM pg_dist_partition WHERE logicalrelid = 'idempotency.processed_events'::regclass");
+$to->safe_psql('postgres', q{
+	UPDATE pg_dist_partition
+	SET partkey = column_name_to_column('idempotency.processed_events', 'event_id')
+	WHERE logicalrelid = 'idempotency.processed_events'::regclass});
+($ret, $out, $err) = $to->psql('postgres',
+	"\\set VERBOSITY verbose\nSELECT idempotency.idem_is_processed('t1', 'event-1')");
+like($err, qr/0A000: table "idempotency.processed_events" is distributed by column "event_id", not by "consumer"/,
+	'a table distributed by another column is refused');
+$to->safe_psql('postgres', qq{
+	UPDATE pg_dist_partition SET partkey = '$events_partkey'
+	WHERE logicalrelid = 'idempotency.processed_events'::regclass});
+is($to->safe_psql('postgres', q{SELECT idempotency.idem_is_processed('t1', 'event-1')}), 't',
+	'... and accepted again once the metadata is put back');
 
 # --- the counters of every node, through the coordinator: each node's row
 # is what that node's own idem_stats_counters() says
