@@ -51,6 +51,7 @@
 #include "storage/lmgr.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
+#include "utils/datum.h"
 #include "utils/fmgroids.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
@@ -84,6 +85,40 @@ citus_catalog(const char *name)
 }
 
 /*
+ * A column of the table's row in pg_dist_partition, copied out; false when
+ * Citus does not know the table (or is not installed).
+ */
+static bool
+dist_partition_attr(Oid relid, AttrNumber attnum, Datum *value, bool *isnull)
+{
+	Oid			catalog_id = citus_catalog("pg_dist_partition");
+	Relation	catalog;
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tuple;
+	bool		found = false;
+
+	if (!OidIsValid(catalog_id))
+		return false;
+	catalog = table_open(catalog_id, AccessShareLock);
+	ScanKeyInit(&key, Anum_dist_partition_logicalrelid, BTEqualStrategyNumber,
+				F_OIDEQ, ObjectIdGetDatum(relid));
+	scan = systable_beginscan(catalog, InvalidOid, false, NULL, 1, &key);
+	if (HeapTupleIsValid(tuple = systable_getnext(scan)))
+	{
+		Form_pg_attribute att = TupleDescAttr(RelationGetDescr(catalog), attnum - 1);
+
+		*value = heap_getattr(tuple, attnum, RelationGetDescr(catalog), isnull);
+		if (!*isnull)
+			*value = datumCopy(*value, att->attbyval, att->attlen);
+		found = true;
+	}
+	systable_endscan(scan);
+	table_close(catalog, AccessShareLock);
+	return found;
+}
+
+/*
  * How Citus distributes the table: its partmethod in pg_dist_partition
  * ('h' hash, 'n' none, i.e. a reference or Citus local table, ...), or
  * '\0' when Citus does not know it (or is not installed).
@@ -91,30 +126,12 @@ citus_catalog(const char *name)
 char
 idem_citus_partmethod(Oid relid)
 {
-	Oid			catalog_id = citus_catalog("pg_dist_partition");
-	Relation	catalog;
-	ScanKeyData key;
-	SysScanDesc scan;
-	HeapTuple	tuple;
-	char		method = '\0';
+	Datum		value;
+	bool		isnull;
 
-	if (!OidIsValid(catalog_id))
+	if (!dist_partition_attr(relid, Anum_dist_partition_partmethod, &value, &isnull))
 		return '\0';
-	catalog = table_open(catalog_id, AccessShareLock);
-	ScanKeyInit(&key, Anum_dist_partition_logicalrelid, BTEqualStrategyNumber,
-				F_OIDEQ, ObjectIdGetDatum(relid));
-	scan = systable_beginscan(catalog, InvalidOid, false, NULL, 1, &key);
-	if (HeapTupleIsValid(tuple = systable_getnext(scan)))
-	{
-		bool		isnull;
-		Datum		value = heap_getattr(tuple, Anum_dist_partition_partmethod,
-										 RelationGetDescr(catalog), &isnull);
-
-		method = isnull ? '?' : DatumGetChar(value);
-	}
-	systable_endscan(scan);
-	table_close(catalog, AccessShareLock);
-	return method;
+	return isnull ? '?' : DatumGetChar(value);
 }
 
 /*
@@ -126,37 +143,19 @@ idem_citus_partmethod(Oid relid)
 AttrNumber
 idem_citus_distribution_column(Oid relid)
 {
-	Oid			catalog_id = citus_catalog("pg_dist_partition");
-	Relation	catalog;
-	ScanKeyData key;
-	SysScanDesc scan;
-	HeapTuple	tuple;
+	Datum		value;
+	bool		isnull;
+	char	   *partkey;
+	char	   *field;
 	AttrNumber	attnum = InvalidAttrNumber;
 
-	if (!OidIsValid(catalog_id))
+	if (!dist_partition_attr(relid, Anum_dist_partition_partkey, &value, &isnull) || isnull)
 		return InvalidAttrNumber;
-	catalog = table_open(catalog_id, AccessShareLock);
-	ScanKeyInit(&key, Anum_dist_partition_logicalrelid, BTEqualStrategyNumber,
-				F_OIDEQ, ObjectIdGetDatum(relid));
-	scan = systable_beginscan(catalog, InvalidOid, false, NULL, 1, &key);
-	if (HeapTupleIsValid(tuple = systable_getnext(scan)))
-	{
-		bool		isnull;
-		Datum		value = heap_getattr(tuple, Anum_dist_partition_partkey,
-										 RelationGetDescr(catalog), &isnull);
-
-		if (!isnull)
-		{
-			char	   *partkey = TextDatumGetCString(value);
-			char	   *field = strstr(partkey, ":varattno ");
-
-			if (field != NULL)
-				attnum = (AttrNumber) strtol(field + strlen(":varattno "), NULL, 10);
-			pfree(partkey);
-		}
-	}
-	systable_endscan(scan);
-	table_close(catalog, AccessShareLock);
+	partkey = TextDatumGetCString(value);
+	field = strstr(partkey, ":varattno ");
+	if (field != NULL)
+		attnum = (AttrNumber) strtol(field + strlen(":varattno "), NULL, 10);
+	pfree(partkey);
 	return attnum;
 }
 
