@@ -10,7 +10,7 @@
  * For a query that names no distributed table, its planner hook decides
  * that after standard_planner has run, on the Query the planner rewrote in
  * place, and deparses that Query to send it (TryToDelegateFunctionCall, in
- * Citus 13.2 and in its main branch as of this writing).  Planning may
+ * Citus 13.2, and 14.0.1 on PostgreSQL 18).  Planning may
  * have pulled a subquery up into the query (a VALUES list or sub-SELECT in
  * FROM, a view, an inlined WITH query), leaving the call as the only FROM
  * item, so that Citus delegates it; but the pull-up left the subquery's
