@@ -194,6 +194,14 @@ is($node->safe_psql('postgres', "SELECT attempt FROM idempotency.keys WHERE key 
 	INSERT INTO pg_catalog.pg_dist_partition VALUES ('idempotency.keys', 'h');
 	\set VERBOSITY verbose
 	SELECT idempotency.idem_claim('s', 'done');});
+like($err, qr/ERROR:  55000: Citus's catalog does not say which column table "idempotency.keys" is distributed by/,
+	'a table distributed by Citus by a column the catalog does not name is an error');
+($ret, $out, $err) = $node->psql('postgres', q{
+	SET allow_system_table_mods = on;
+	ALTER TABLE pg_catalog.pg_dist_partition ADD partkey text;
+	UPDATE pg_catalog.pg_dist_partition SET partkey = '{VAR :varno 1 :varattno 1 :vartype 25}';
+	\set VERBOSITY verbose
+	SELECT idempotency.idem_claim('s', 'done');});
 like($err, qr/ERROR:  55000: function pg_catalog.get_shard_id_for_distribution_column of Citus does not exist/,
 	'a table distributed by Citus, without Citus, is an error rather than a read of the shell');
 ($ret, $out, $err) = $node->psql('postgres', q{

@@ -86,10 +86,12 @@ citus_catalog(const char *name)
 
 /*
  * A column of the table's row in pg_dist_partition, copied out; false when
- * Citus does not know the table (or is not installed).
+ * Citus does not know the table (or is not installed).  NULL (*isnull) too
+ * when the catalog has no such column of the type Citus gives it (typid):
+ * a catalog made or altered by hand is read, never trusted.
  */
 static bool
-dist_partition_attr(Oid relid, AttrNumber attnum, Datum *value, bool *isnull)
+dist_partition_attr(Oid relid, AttrNumber attnum, Oid typid, Datum *value, bool *isnull)
 {
 	Oid			catalog_id = citus_catalog("pg_dist_partition");
 	Relation	catalog;
@@ -106,11 +108,16 @@ dist_partition_attr(Oid relid, AttrNumber attnum, Datum *value, bool *isnull)
 	scan = systable_beginscan(catalog, InvalidOid, false, NULL, 1, &key);
 	if (HeapTupleIsValid(tuple = systable_getnext(scan)))
 	{
-		Form_pg_attribute att = TupleDescAttr(RelationGetDescr(catalog), attnum - 1);
+		TupleDesc	desc = RelationGetDescr(catalog);
+		Form_pg_attribute att = attnum <= desc->natts ? TupleDescAttr(desc, attnum - 1) : NULL;
 
-		*value = heap_getattr(tuple, attnum, RelationGetDescr(catalog), isnull);
-		if (!*isnull)
-			*value = datumCopy(*value, att->attbyval, att->attlen);
+		*isnull = true;
+		if (att != NULL && !att->attisdropped && att->atttypid == typid)
+		{
+			*value = heap_getattr(tuple, attnum, desc, isnull);
+			if (!*isnull)
+				*value = datumCopy(*value, att->attbyval, att->attlen);
+		}
 		found = true;
 	}
 	systable_endscan(scan);
@@ -129,7 +136,7 @@ idem_citus_partmethod(Oid relid)
 	Datum		value;
 	bool		isnull;
 
-	if (!dist_partition_attr(relid, Anum_dist_partition_partmethod, &value, &isnull))
+	if (!dist_partition_attr(relid, Anum_dist_partition_partmethod, CHAROID, &value, &isnull))
 		return '\0';
 	return isnull ? '?' : DatumGetChar(value);
 }
@@ -149,7 +156,7 @@ idem_citus_distribution_column(Oid relid)
 	char	   *field;
 	AttrNumber	attnum = InvalidAttrNumber;
 
-	if (!dist_partition_attr(relid, Anum_dist_partition_partkey, &value, &isnull) || isnull)
+	if (!dist_partition_attr(relid, Anum_dist_partition_partkey, TEXTOID, &value, &isnull) || isnull)
 		return InvalidAttrNumber;
 	partkey = TextDatumGetCString(value);
 	field = strstr(partkey, ":varattno ");

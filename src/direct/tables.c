@@ -210,12 +210,18 @@ check_distribution_column(Relation heap, IdemTable table)
 
 	if (attnum > 0 && attnum <= desc->natts && !TupleDescAttr(desc, attnum - 1)->attisdropped)
 		actual = NameStr(TupleDescAttr(desc, attnum - 1)->attname);
-	if (actual == NULL || strcmp(actual, expected[table]) != 0)
+	if (actual == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("Citus's catalog does not say which column table \"%s.%s\" is distributed by",
+						IDEM_SCHEMA, RelationGetRelationName(heap)),
+				 errdetail("pg_dist_partition lists it as hash-distributed, with no usable partkey.")));
+	if (strcmp(actual, expected[table]) != 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 				 errmsg("table \"%s.%s\" is distributed by column \"%s\", not by \"%s\"",
 						IDEM_SCHEMA, RelationGetRelationName(heap),
-						actual != NULL ? actual : "?", expected[table]),
+						actual, expected[table]),
 				 errdetail("The functions find a row's shard by its \"%s\"; Citus would look for it in another shard.",
 						   expected[table]),
 				 errhint("Undistribute it (undistribute_table) and run idempotency.idem_distribute().")));
