@@ -117,44 +117,51 @@ from_has_table(Query *query)
 	return false;
 }
 
+/* What find_delegated_call looks for, and what it found. */
+typedef struct DelegatedCall
+{
+	Oid			schema;			/* the extension's schema */
+	Oid			funcid;			/* the call found */
+} DelegatedCall;
+
 /*
- * Find a call of a function of the schema idempotency that Citus
+ * Find a call of a function of the extension's schema that Citus
  * delegates, anywhere but in a SubLink (Citus delegates only a call that
- * is the whole query): *funcid is set to it.
+ * is the whole query): call->funcid is set to it.
  */
 static bool
-find_delegated_call(Node *node, Oid *funcid)
+find_delegated_call(Node *node, DelegatedCall *call)
 {
 	if (node == NULL || IsA(node, SubLink))
 		return false;
 	if (IsA(node, FuncExpr))
 	{
 		Oid			fn = ((FuncExpr *) node)->funcid;
-		Oid			schema = get_namespace_oid("idempotency", true);
 
-		if (OidIsValid(schema) && get_func_namespace(fn) == schema &&
+		if (get_func_namespace(fn) == call->schema &&
 			idem_citus_delegates_function(fn))
 		{
-			*funcid = fn;
+			call->funcid = fn;
 			return true;
 		}
 	}
 	if (IsA(node, Query))
-		return query_tree_walker((Query *) node, find_delegated_call, funcid, 0);
-	return expression_tree_walker(node, find_delegated_call, funcid);
+		return query_tree_walker((Query *) node, find_delegated_call, call, 0);
+	return expression_tree_walker(node, find_delegated_call, call);
 }
 
 static PlannedStmt *
 guard_planner(Query *parse, const char *query_string, int cursorOptions,
 			  ParamListInfo boundParams)
 {
-	Oid			funcid = InvalidOid;
+	DelegatedCall call = {InvalidOid, InvalidOid};
 
 	if (parse->commandType == CMD_SELECT && parse->utilityStmt == NULL &&
 		has_subquery_or_with(parse) && !from_has_table(parse) &&
-		find_delegated_call((Node *) parse, &funcid))
+		OidIsValid(call.schema = get_namespace_oid("idempotency", true)) &&
+		find_delegated_call((Node *) parse, &call))
 	{
-		char	   *name = get_func_name(funcid);
+		char	   *name = get_func_name(call.funcid);
 
 		ereport(ERROR,
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
