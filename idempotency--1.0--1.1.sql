@@ -308,7 +308,9 @@ BEGIN
 					 ('idem_mark_processed_batch', 'idempotency.processed_events'),
 					 ('idem_is_processed_batch', 'idempotency.processed_events'),
 					 ('idem_outbox_enqueue', 'idempotency.outbox'),
-					 ('idem_outbox_enqueue_batch', 'idempotency.outbox'))
+					 ('idem_outbox_enqueue_batch', 'idempotency.outbox'),
+					 ('idem_outbox_fetch', 'idempotency.outbox'),
+					 ('_outbox_on_shard', 'idempotency.outbox'))
 			AS t (function_name, table_name) ON p.proname = t.function_name
 		WHERE p.pronamespace = 'idempotency'::regnamespace
 		ORDER BY 1
@@ -324,6 +326,25 @@ COMMENT ON FUNCTION idempotency.idem_distribute(regclass) IS
 	'Citus: distribute keys, processed_events and outbox (colocated with colocate_with, whose tenant column must be text COLLATE "C"), make outbox_routes a reference table, and delegate the functions to their shards';
 
 REVOKE ALL ON FUNCTION idempotency.idem_distribute(regclass) FROM PUBLIC;
+
+/*
+ * On a distributed outbox, the calls that name rows by id (ack, nack,
+ * requeue, discard) find the rows' topics and have each topic's part done
+ * by this function, which Citus delegates to the node of the topic's shard
+ * (see on_the_topics_shards in src/api/outbox.c).  Only the owner of the
+ * extension's tables runs it: the calls do, once their caller has been
+ * allowed to call them.
+ */
+CREATE FUNCTION idempotency._outbox_on_shard(topic text, call text, ids bigint[],
+											 attempts integer[], error text)
+RETURNS integer
+AS 'MODULE_PATHNAME', 'idem_outbox_on_shard'
+LANGUAGE C VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE;
+
+COMMENT ON FUNCTION idempotency._outbox_on_shard(text, text, bigint[], integer[], text) IS
+	'internal: one topic''s part of an ack, nack, requeue or discard of a distributed outbox, on the node of its shard';
+
+REVOKE ALL ON FUNCTION idempotency._outbox_on_shard(text, text, bigint[], integer[], text) FROM PUBLIC;
 
 /*
  * On Citus, the counters of idempotency.stats are the node's own (each

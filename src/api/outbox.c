@@ -37,6 +37,7 @@
 #include <ctype.h>
 
 #include "access/htup_details.h"
+#include "access/tupconvert.h"
 #include "access/xact.h"
 #include "catalog/namespace.h"
 #include "catalog/pg_proc.h"
@@ -44,6 +45,7 @@
 #include "common/hashfn.h"
 #include "executor/spi.h"
 #include "funcapi.h"
+#include "lib/stringinfo.h"
 #include "miscadmin.h"
 #include "storage/lmgr.h"
 #include "utils/acl.h"
@@ -78,6 +80,7 @@ PG_FUNCTION_INFO_V1(idem_outbox_nack);
 PG_FUNCTION_INFO_V1(idem_outbox_nack_fenced);
 PG_FUNCTION_INFO_V1(idem_outbox_requeue);
 PG_FUNCTION_INFO_V1(idem_outbox_discard);
+PG_FUNCTION_INFO_V1(idem_outbox_on_shard);
 
 /*
  * The per-key enqueue lock is an advisory lock (it shows in pg_locks with
@@ -101,12 +104,15 @@ PG_FUNCTION_INFO_V1(idem_outbox_discard);
  * again whenever the database's routes version moves (each commit that
  * routes, and CREATE EXTENSION, move it).  Knowledge gone stale through a
  * direct write to outbox_routes costs no row: a row the worker was not woken
- * for goes out at its next naptime.
+ * for goes out at its next naptime.  On Citus, the routes are a reference
+ * table that any node may change, while the version is this node's: what
+ * is read is kept for a second at most.
  */
 typedef struct RoutesCache
 {
 	bool		valid;
 	uint64		version;
+	TimestampTz stale_at;		/* on Citus: when to read again */
 	OutboxRoutes known;			/* by topic, in byte order (the column is "C") */
 } RoutesCache;
 
@@ -154,6 +160,8 @@ load_routes(uint64 version)
 	 */
 	routes_cache.version = version;
 	routes_cache.valid = !idem_routes_changed_in_transaction();
+	routes_cache.stale_at = idem_table_distributed(IDEM_TABLE_OUTBOX) ?
+		TimestampTzPlusMilliseconds(GetCurrentTimestamp(), 1000) : DT_NOEND;
 }
 
 /* Will the worker publish rows of this topic?  False without a worker. */
@@ -166,7 +174,8 @@ topic_is_routed(text *topic)
 
 	if (!idem_routes_version(&version))
 		return false;
-	if (!routes_cache.valid || routes_cache.version != version)
+	if (!routes_cache.valid || routes_cache.version != version ||
+		(routes_cache.stale_at != DT_NOEND && GetCurrentTimestamp() >= routes_cache.stale_at))
 		load_routes(version);
 
 	key.topic = text_to_cstring(topic);
@@ -226,9 +235,9 @@ check_headers(Jsonb *headers)
  */
 static int64
 make_pending_row(Datum *values, bool *nulls, text *topic, text *key, Datum payload,
-				 Jsonb *headers, TimestampTz now)
+				 Jsonb *headers, TimestampTz now, int64 floor)
 {
-	int64		id = idem_outbox_next_id();
+	int64		id = idem_outbox_next_id(floor);
 
 	memset(nulls, false, sizeof(bool) * Natts_outbox);
 	values[Anum_outbox_id - 1] = Int64GetDatum(id);
@@ -280,7 +289,7 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 	if (key != NULL)
 		lock_outbox_key(outbox_key_hash(topic, key));
 	id = make_pending_row(values, nulls, topic, key, PG_GETARG_DATUM(1), headers,
-						  GetCurrentTimestamp());
+						  GetCurrentTimestamp(), idem_outbox_last_id(&rel, topic));
 	idem_insert(&rel, values, nulls);
 	idem_relation_close(&rel);
 	if (topic_is_routed(topic))
@@ -352,6 +361,7 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 	uint64	   *hashes;
 	int			nhashes = 0;
 	IdemRelation rel;
+	int64		floor;
 	TimestampTz now = GetCurrentTimestamp();
 	Datum	  **row_values;
 	bool	  **row_nulls;
@@ -420,6 +430,8 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 		row_values[i] = palloc(sizeof(Datum) * Natts_outbox);
 		row_nulls[i] = palloc(sizeof(bool) * Natts_outbox);
 	}
+	/* the batch's ids grow from the first, which must be above the topic's last */
+	floor = idem_outbox_last_id(&rel, topic);
 	for (int first = 0; first < count; first += ENQUEUE_CHUNK)
 	{
 		int			nrows = Min(count - first, ENQUEUE_CHUNK);
@@ -431,7 +443,8 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 			Jsonb	   *header = headers != NULL && !header_nulls[i] ?
 				DatumGetJsonbP(headers[i]) : NULL;
 			Datum		id = Int64GetDatum(make_pending_row(row_values[r], row_nulls[r], topic,
-															key, payloads[i], header, now));
+															key, payloads[i], header, now,
+															floor));
 			bool		isnull = false;
 
 			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, &id, &isnull);
@@ -820,19 +833,118 @@ positive_count(FunctionCallInfo fcinfo, int argno, const char *name)
 }
 
 /*
- * The pull API reads and writes the outbox by SQL, which on a table that
- * Citus distributes would address the shell (or be refused by Citus's
- * planner): not yet supported there.
+ * On a distributed outbox, the pull API works on the shard of a topic, on
+ * the node that holds it.  A fetch names its topic, and Citus delegates it
+ * there (idem_distribute declares it a distributed function).  The calls
+ * that name rows by id do not: they find the topics of their ids (Citus
+ * reads every shard), and each topic's part is done on its shard's node by
+ * idempotency._outbox_on_shard(topic, call, ...), a distributed function
+ * that Citus delegates there, in the caller's transaction.  Both the look-up
+ * and the calls run as the owner of the extension's tables (the caller has
+ * been allowed to call the function, and need not reach the tables
+ * themselves); their statements are literals, since Citus delegates a call
+ * inside a function only with constant arguments.  Returns the sum of what
+ * the topics' calls returned.
+ */
+static int32
+on_the_topics_shards(const char *call, ArrayType *ids, ArrayType *attempts, text *error)
+{
+	OutboxSqlContext context;
+	Datum		ids_arg = PointerGetDatum(ids);
+	Oid			argtype = INT8ARRAYOID;
+	Datum	   *all_ids;
+	bool	   *id_nulls;
+	Datum	   *all_attempts = NULL;
+	bool	   *attempt_nulls = NULL;
+	int			nids;
+	int			nattempts;
+	int32		total = 0;
+	uint64		ntopics;
+	SPITupleTable *topics;
+
+	deconstruct_array(ids, INT8OID, sizeof(int64), FLOAT8PASSBYVAL, TYPALIGN_DOUBLE,
+					  &all_ids, &id_nulls, &nids);
+	if (attempts != NULL)
+		deconstruct_array(attempts, INT4OID, sizeof(int32), true, TYPALIGN_INT,
+						  &all_attempts, &attempt_nulls, &nattempts);
+
+	outbox_sql_begin(&context);
+	if (SPI_execute_with_args("SELECT topic, array_agg(id ORDER BY id)"
+							  " FROM idempotency.outbox WHERE id = ANY ($1) GROUP BY topic",
+							  1, &argtype, &ids_arg, NULL, true, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not find the topics of the outbox rows");
+	topics = SPI_tuptable;
+	ntopics = SPI_processed;
+	for (uint64 t = 0; t < ntopics; t++)
+	{
+		char	   *topic = SPI_getvalue(topics->vals[t], topics->tupdesc, 1);
+		bool		isnull;
+		ArrayType  *mine = DatumGetArrayTypeP(SPI_getbinval(topics->vals[t], topics->tupdesc, 2,
+															&isnull));
+		Datum	   *my_ids;
+		int			nmine;
+		StringInfoData sql;
+
+		deconstruct_array(mine, INT8OID, sizeof(int64), FLOAT8PASSBYVAL, TYPALIGN_DOUBLE,
+						  &my_ids, NULL, &nmine);
+		initStringInfo(&sql);
+		appendStringInfo(&sql, "SELECT * FROM idempotency._outbox_on_shard(%s, %s, '{",
+						 quote_literal_cstr(topic), quote_literal_cstr(call));
+		for (int i = 0; i < nmine; i++)
+			appendStringInfo(&sql, "%s" INT64_FORMAT, i > 0 ? "," : "",
+							 DatumGetInt64(my_ids[i]));
+		appendStringInfoString(&sql, "}'::bigint[], ");
+		if (all_attempts == NULL)
+			appendStringInfoString(&sql, "NULL");
+		else
+		{
+			/* the attempt given beside each of this topic's ids */
+			appendStringInfoString(&sql, "'{");
+			for (int i = 0; i < nmine; i++)
+			{
+				int32		attempt = -1;	/* matches no row */
+
+				for (int j = 0; j < nids; j++)
+					if (!id_nulls[j] && !attempt_nulls[j] &&
+						DatumGetInt64(all_ids[j]) == DatumGetInt64(my_ids[i]))
+					{
+						/* the first, as the fenced statement reads it */
+						attempt = DatumGetInt32(all_attempts[j]);
+						break;
+					}
+				appendStringInfo(&sql, "%s%d", i > 0 ? "," : "", attempt);
+			}
+			appendStringInfoString(&sql, "}'");
+		}
+		appendStringInfo(&sql, "::integer[], %s)",
+						 error != NULL ? quote_literal_cstr(text_to_cstring(error)) : "NULL::text");
+		if (SPI_execute(sql.data, false, 0) != SPI_OK_SELECT || SPI_processed != 1)
+			elog(ERROR, "could not run %s on the shard of topic \"%s\"", call, topic);
+		total += DatumGetInt32(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1,
+											 &isnull));
+	}
+	outbox_sql_end(&context);
+	return total;
+}
+
+/*
+ * The rows of the last statement, into the result: a shard's rows (of a
+ * distributed outbox) by column name, since the table may keep dropped
+ * columns that its shards, made by Citus from its definition, do not have.
  */
 static void
-refuse_distributed_outbox(const char *function_name)
+put_outbox_rows(ReturnSetInfo *rsinfo, uint64 count)
 {
-	if (idem_table_distributed(IDEM_TABLE_OUTBOX))
-		ereport(ERROR,
-				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
-				 errmsg("%s does not support a distributed outbox yet", function_name),
-				 errdetail("Citus distributes idempotency.outbox; this version enqueues into its shards, but neither hands its rows out nor publishes them."),
-				 errhint("Keep the outbox local (SELECT undistribute_table('idempotency.outbox')) to use the pull API and publishing.")));
+	TupleConversionMap *map = convert_tuples_by_name(SPI_tuptable->tupdesc,
+													 rsinfo->setDesc);
+
+	for (uint64 i = 0; i < count; i++)
+	{
+		HeapTuple	row = SPI_tuptable->vals[i];
+
+		tuplestore_puttuple(rsinfo->setResult,
+							map != NULL ? execute_attr_map_tuple(row, map) : row);
+	}
 }
 
 /*
@@ -861,6 +973,7 @@ idem_outbox_fetch(PG_FUNCTION_ARGS)
 	Heads		heads;
 	uint64		nheads;
 	uint64		fetched;
+	Oid			shard;
 
 	batch = positive_count(fcinfo, 1, "batch");
 	if (PG_ARGISNULL(2))
@@ -873,7 +986,8 @@ idem_outbox_fetch(PG_FUNCTION_ARGS)
 		per_key = positive_count(fcinfo, 3, "per_key");
 
 	idem_require_writable("idem_outbox_fetch()");
-	refuse_distributed_outbox("idem_outbox_fetch()");
+	shard = idem_table_shard_for(IDEM_TABLE_OUTBOX, topic, RowExclusiveLock,
+								 "idem_outbox_fetch(topic, ...)");
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 
 	memset(nulls, ' ', sizeof(nulls));
@@ -887,7 +1001,8 @@ idem_outbox_fetch(PG_FUNCTION_ARGS)
 	params[FETCH_IDS] = (Datum) 0;
 	nulls[FETCH_KEY] = nulls[FETCH_IDS] = 'n';
 
-	outbox_sql_begin(&context);
+	if (!outbox_sql_begin_on(&context, shard))
+		elog(ERROR, "the outbox shard of topic \"%s\" is gone", text_to_cstring(topic));
 
 	/* the heads, copied out before the followers' statements run */
 	nheads = find_heads(params, nulls, batch, per_key, &heads);
@@ -913,13 +1028,14 @@ idem_outbox_fetch(PG_FUNCTION_ARGS)
 															TYPALIGN_DOUBLE));
 		nulls[FETCH_IDS] = ' ';
 		fetched = outbox_sql_run(STMT_FETCH_LEASE, params, nulls);
-		for (uint64 i = 0; i < fetched; i++)
-			tuplestore_puttuple(rsinfo->setResult, SPI_tuptable->vals[i]);
+		put_outbox_rows(rsinfo, fetched);
 	}
 	outbox_sql_end(&context);
 
 	return (Datum) 0;
 }
+
+static int32 acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced);
 
 /*
  * The acknowledgements: the leased rows among ids (fenced: each still under
@@ -931,20 +1047,30 @@ idem_outbox_fetch(PG_FUNCTION_ARGS)
 static int32
 acknowledge(Datum ids, Datum attempts, bool fenced)
 {
+	idem_require_writable("idem_outbox_ack()");
+	if (idem_table_distributed(IDEM_TABLE_OUTBOX))
+		return on_the_topics_shards("ack", DatumGetArrayTypeP(ids),
+									fenced ? DatumGetArrayTypeP(attempts) : NULL, NULL);
+	return acknowledge_on(InvalidOid, ids, attempts, fenced);
+}
+
+/* acknowledge, on the table or on one of its shards */
+static int32
+acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
+{
 	Datum		values[3];
 	char		nulls[3] = {' ', ' ', ' '};
 	OutboxSqlContext context;
-	uint64		acknowledged;
+	uint64		acknowledged = 0;
 	bool		keep = idem_outbox_retention_s != 0;
 
-	idem_require_writable("idem_outbox_ack()");
-	refuse_distributed_outbox("idem_outbox_ack()");
 	values[0] = ids;
 	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
 	values[2] = attempts;
 	nulls[2] = fenced ? ' ' : 'n';
 
-	outbox_sql_begin(&context);
+	if (!outbox_sql_begin_on(&context, shard))
+		return 0;
 	acknowledged = outbox_sql_run(fenced ?
 								  (keep ? STMT_ACK_FENCED_KEEP : STMT_ACK_FENCED_DELETE) :
 								  (keep ? STMT_ACK_KEEP : STMT_ACK_DELETE),
@@ -1009,17 +1135,35 @@ idem_outbox_ack_fenced(PG_FUNCTION_ARGS)
 	PG_RETURN_INT32(acknowledge(PointerGetDatum(ids), PointerGetDatum(attempts), true));
 }
 
-/* The functions below act on one row by id, and say whether they did. */
+/*
+ * The functions below act on one row by id ($1), and say whether they did:
+ * on the table, or on its shard that holds the row (shard), or, where
+ * Citus distributes the outbox and shard is not given, on the row's
+ * shard's node (on_the_topics_shards, with call, the row's attempt, if
+ * fenced, $7, and its error, if a nack, $2).
+ */
 static bool
-change_one_row(OutboxStatement statement, Datum *values, const char *nulls,
-			   const char *function_name)
+change_one_row(Oid shard, OutboxStatement statement, Datum *values, const char *nulls,
+			   const char *call)
 {
 	OutboxSqlContext context;
 	uint64		changed;
 
-	idem_require_writable(function_name);
-	refuse_distributed_outbox(function_name);
-	outbox_sql_begin(&context);
+	if (!OidIsValid(shard) && idem_table_distributed(IDEM_TABLE_OUTBOX))
+	{
+		bool		fenced = statement == STMT_NACK_FENCED;
+		Datum		attempt = fenced ? values[6] : (Datum) 0;
+		ArrayType  *ids = construct_array(&values[0], 1, INT8OID, sizeof(int64),
+										  FLOAT8PASSBYVAL, TYPALIGN_DOUBLE);
+		ArrayType  *attempts = fenced ?
+			construct_array(&attempt, 1, INT4OID, sizeof(int32), true, TYPALIGN_INT) : NULL;
+		bool		nack = statement == STMT_NACK || statement == STMT_NACK_FENCED;
+
+		return on_the_topics_shards(call, ids, attempts,
+									nack && nulls[1] != 'n' ? DatumGetTextPP(values[1]) : NULL) > 0;
+	}
+	if (!outbox_sql_begin_on(&context, shard))
+		return false;
 	changed = outbox_sql_run(statement, values, nulls);
 	outbox_sql_end(&context);
 	return changed > 0;
@@ -1036,35 +1180,62 @@ arg_row_id(FunctionCallInfo fcinfo)
 }
 
 /*
- * A nack: $1 id, $2 error, $3 now, $4 max attempts, $5 and $6 the backoff,
- * $7 the attempt (fenced).
+ * A nack of row id, on the table or its shard (see change_one_row): $1 id,
+ * $2 error, $3 now, $4 max attempts, $5 and $6 the backoff, $7 the attempt
+ * (fenced).
  */
 static bool
-negative_acknowledge(FunctionCallInfo fcinfo, bool fenced)
+nack_row(Oid shard, int64 id, text *error, bool fenced, int32 attempt)
 {
 	Datum		values[7];
 	char		nulls[7] = {' ', ' ', ' ', ' ', ' ', ' ', 'n'};
 
-	values[0] = Int64GetDatum(arg_row_id(fcinfo));
-	values[1] = PG_ARGISNULL(1) ? (Datum) 0 : PG_GETARG_DATUM(1);
-	nulls[1] = PG_ARGISNULL(1) ? 'n' : ' ';
+	values[0] = Int64GetDatum(id);
+	values[1] = PointerGetDatum(error);
+	nulls[1] = error == NULL ? 'n' : ' ';
 	values[2] = TimestampTzGetDatum(GetCurrentTimestamp());
 	values[3] = Int32GetDatum(idem_outbox_max_attempts);
 	values[4] = Int32GetDatum(idem_outbox_backoff_min_ms);
 	values[5] = Int32GetDatum(Max(idem_outbox_backoff_min_ms, idem_outbox_backoff_max_ms));
-	values[6] = (Datum) 0;
-	if (fenced)
-	{
-		if (PG_ARGISNULL(2))
-			ereport(ERROR,
-					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-					 errmsg("attempt must not be null"),
-					 errhint("Pass the attempts column of the fetched row, or call idem_outbox_nack(id, error) to nack unfenced.")));
-		values[6] = PG_GETARG_DATUM(2);
-		nulls[6] = ' ';
-	}
-	return change_one_row(fenced ? STMT_NACK_FENCED : STMT_NACK, values, nulls,
-						  "idem_outbox_nack()");
+	values[6] = Int32GetDatum(attempt);
+	nulls[6] = fenced ? ' ' : 'n';
+	return change_one_row(shard, fenced ? STMT_NACK_FENCED : STMT_NACK, values, nulls, "nack");
+}
+
+/* A requeue of row id: $1 id, $2 now. */
+static bool
+requeue_row(Oid shard, int64 id)
+{
+	Datum		values[2];
+
+	values[0] = Int64GetDatum(id);
+	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
+	return change_one_row(shard, STMT_REQUEUE, values, NULL, "requeue");
+}
+
+/* A discard of row id: $1 id. */
+static bool
+discard_row(Oid shard, int64 id)
+{
+	Datum		values[1];
+
+	values[0] = Int64GetDatum(id);
+	return change_one_row(shard, STMT_DISCARD, values, NULL, "discard");
+}
+
+static bool
+negative_acknowledge(FunctionCallInfo fcinfo, bool fenced)
+{
+	int64		id = arg_row_id(fcinfo);
+
+	if (fenced && PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("attempt must not be null"),
+				 errhint("Pass the attempts column of the fetched row, or call idem_outbox_nack(id, error) to nack unfenced.")));
+	idem_require_writable("idem_outbox_nack()");
+	return nack_row(InvalidOid, id, PG_ARGISNULL(1) ? NULL : PG_GETARG_TEXT_PP(1),
+					fenced, fenced ? PG_GETARG_INT32(2) : 0);
 }
 
 /*
@@ -1093,11 +1264,10 @@ idem_outbox_nack_fenced(PG_FUNCTION_ARGS)
 Datum
 idem_outbox_requeue(PG_FUNCTION_ARGS)
 {
-	Datum		values[2];
+	int64		id = arg_row_id(fcinfo);
 
-	values[0] = Int64GetDatum(arg_row_id(fcinfo));
-	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
-	PG_RETURN_BOOL(change_one_row(STMT_REQUEUE, values, NULL, "idem_outbox_requeue()"));
+	idem_require_writable("idem_outbox_requeue()");
+	PG_RETURN_BOOL(requeue_row(InvalidOid, id));
 }
 
 /*
@@ -1107,8 +1277,71 @@ idem_outbox_requeue(PG_FUNCTION_ARGS)
 Datum
 idem_outbox_discard(PG_FUNCTION_ARGS)
 {
-	Datum		values[1];
+	int64		id = arg_row_id(fcinfo);
 
-	values[0] = Int64GetDatum(arg_row_id(fcinfo));
-	PG_RETURN_BOOL(change_one_row(STMT_DISCARD, values, NULL, "idem_outbox_discard()"));
+	idem_require_writable("idem_outbox_discard()");
+	PG_RETURN_BOOL(discard_row(InvalidOid, id));
+}
+
+/*
+ * idempotency._outbox_on_shard(topic, call, ids, attempts, error) ->
+ * integer: one topic's part of an ack, nack, requeue or discard of a
+ * distributed outbox (see on_the_topics_shards), on the shard of topic,
+ * which Citus delegated the call to; how many rows it changed.  ids are
+ * the topic's (one for the calls of one row), attempts are given beside
+ * them when the call is fenced, error is a nack's.
+ */
+Datum
+idem_outbox_on_shard(PG_FUNCTION_ARGS)
+{
+	text	   *topic = idem_arg_identifier(fcinfo, 0, "topic", 1);
+	char	   *call;
+	ArrayType  *ids;
+	ArrayType  *attempts = PG_ARGISNULL(3) ? NULL : PG_GETARG_ARRAYTYPE_P(3);
+	Datum	   *id_values;
+	Datum	   *attempt_values = NULL;
+	int			nids;
+	int			nattempts = 0;
+	Oid			shard;
+
+	if (PG_ARGISNULL(1) || PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("call and ids must not be null")));
+	call = text_to_cstring(PG_GETARG_TEXT_PP(1));
+	if (strcmp(call, "ack") != 0 && strcmp(call, "nack") != 0 &&
+		strcmp(call, "requeue") != 0 && strcmp(call, "discard") != 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("\"%s\" is not a call of the outbox's rows", call),
+				 errhint("The calls are ack, nack, requeue and discard.")));
+	ids = PG_GETARG_ARRAYTYPE_P(2);
+	deconstruct_array(ids, INT8OID, sizeof(int64), FLOAT8PASSBYVAL, TYPALIGN_DOUBLE,
+					  &id_values, NULL, &nids);
+	if (attempts != NULL)
+		deconstruct_array(attempts, INT4OID, sizeof(int32), true, TYPALIGN_INT,
+						  &attempt_values, NULL, &nattempts);
+	if (attempts != NULL && nattempts != nids)
+		ereport(ERROR,
+				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
+				 errmsg("ids has %d elements and attempts %d", nids, nattempts)));
+
+	idem_require_writable("idem_outbox_ack()");
+	shard = idem_table_shard_for(IDEM_TABLE_OUTBOX, topic, RowExclusiveLock,
+								 "_outbox_on_shard(topic, ...)");
+	if (strcmp(call, "ack") == 0)
+		PG_RETURN_INT32(acknowledge_on(shard, PointerGetDatum(ids), PointerGetDatum(attempts),
+									   attempts != NULL));
+	if (nids != 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("a %s takes one id, not %d", call, nids)));
+	if (strcmp(call, "nack") == 0)
+		PG_RETURN_INT32(nack_row(shard, DatumGetInt64(id_values[0]),
+								 PG_ARGISNULL(4) ? NULL : PG_GETARG_TEXT_PP(4),
+								 attempts != NULL,
+								 attempts != NULL ? DatumGetInt32(attempt_values[0]) : 0));
+	if (strcmp(call, "requeue") == 0)
+		PG_RETURN_INT32(requeue_row(shard, DatumGetInt64(id_values[0])));
+	PG_RETURN_INT32(discard_row(shard, DatumGetInt64(id_values[0])));
 }

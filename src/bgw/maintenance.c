@@ -35,6 +35,8 @@ maintenance_cursor_init(MaintenanceCursor *cursor)
 		cursor->pruned_in_pass[unit] = 0;
 	}
 	cursor->publish_way = cursor->last_publish_way = PUBLISH_FAST;
+	cursor->outbox_shard = InvalidOid;
+	cursor->outbox_part = 0;
 	/* the caller's context outlives the batches: the worker's is TopMemoryContext */
 	cursor->alone.ids = NULL;
 	cursor->alone.count = cursor->alone.capacity = 0;

@@ -90,6 +90,9 @@ typedef struct MaintenanceCursor
 	uint64		alone_next;		/* the next of them to try */
 	bool		alone_started;	/* the last one tried began to be published */
 	bool		alone_progress; /* one of them was published, or its failure recorded */
+	/* a distributed outbox: the shard of the batch, and its place among this node's */
+	Oid			outbox_shard;
+	int			outbox_part;
 } MaintenanceCursor;
 
 /* Rows per careful publish batch: each takes a subtransaction. */

@@ -35,6 +35,7 @@
 #include "postgres.h"
 
 #include "access/htup_details.h"
+#include "access/tupconvert.h"
 #include "access/xact.h"
 #include "catalog/namespace.h"
 #include "catalog/pg_class.h"
@@ -57,6 +58,7 @@
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
 #include "utils/timestamp.h"
+#include "utils/typcache.h"
 
 #include "bgw/maintenance.h"
 #include "bgw/publish.h"
@@ -302,6 +304,43 @@ typedef struct CandidateList
 } CandidateList;
 
 /*
+ * A copy of a candidate's row as an idempotency.outbox value, which a
+ * route's function takes: a row of a shard (of a distributed outbox) is of
+ * the shard's own row type, and its columns are matched by name, since the
+ * table may keep dropped columns that its shards, made by Citus from its
+ * definition, do not have.
+ */
+static Datum
+event_as_outbox_row(Datum event)
+{
+	HeapTupleHeader header = DatumGetHeapTupleHeader(event);
+	Oid			outbox_type = get_rel_type_id(get_relname_relid("outbox",
+																get_namespace_oid("idempotency", false)));
+	TupleDesc	shard_desc;
+	TupleDesc	outbox_desc;
+	TupleConversionMap *map;
+	HeapTupleData row;
+	HeapTuple	converted;
+	Datum		copy;
+
+	if (HeapTupleHeaderGetTypeId(header) == outbox_type)
+		return datumCopy(event, false, -1);
+	shard_desc = lookup_rowtype_tupdesc(HeapTupleHeaderGetTypeId(header),
+										HeapTupleHeaderGetTypMod(header));
+	outbox_desc = lookup_rowtype_tupdesc(outbox_type, -1);
+	row.t_len = HeapTupleHeaderGetDatumLength(header);
+	ItemPointerSetInvalid(&row.t_self);
+	row.t_tableOid = InvalidOid;
+	row.t_data = header;
+	map = convert_tuples_by_name(shard_desc, outbox_desc);
+	converted = map != NULL ? execute_attr_map_tuple(&row, map) : &row;
+	copy = heap_copy_tuple_as_datum(converted, outbox_desc);
+	ReleaseTupleDesc(outbox_desc);
+	ReleaseTupleDesc(shard_desc);
+	return copy;
+}
+
+/*
  * Append the rows of the last statement to the list, copying what the loop
  * needs out of SPI's result before more SQL runs, and free that result.
  */
@@ -326,8 +365,8 @@ copy_candidates(uint64 count, CandidateList *list)
 		Candidate  *candidate = &list->items[list->count++];
 		bool		isnull;
 
-		candidate->event = datumCopy(SPI_getbinval(tuple, desc, CANDIDATE_EVENT, &isnull),
-									 false, -1);
+		candidate->event = event_as_outbox_row(SPI_getbinval(tuple, desc, CANDIDATE_EVENT,
+															 &isnull));
 		candidate->id = DatumGetInt64(SPI_getbinval(tuple, desc, CANDIDATE_ID, &isnull));
 		candidate->target = candidate_text(tuple, desc, CANDIDATE_TARGET);
 		candidate->destination = candidate_text(tuple, desc, CANDIDATE_DESTINATION);
@@ -450,7 +489,7 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
  * commit), the caller publishes them one by one (outbox_publish_row).
  */
 static uint64
-outbox_publish_batch(TimestampTz now, int limit, bool careful,
+outbox_publish_batch(Oid shard, TimestampTz now, int limit, bool careful,
 					 uint64 *published_count, uint64 *failed_count,
 					 OutboxRowIds *tried)
 {
@@ -461,7 +500,8 @@ outbox_publish_batch(TimestampTz now, int limit, bool careful,
 	*published_count = *failed_count = 0;
 	if (tried != NULL)
 		tried->count = 0;
-	outbox_sql_begin(&context);
+	if (!outbox_sql_begin_on(&context, shard))
+		return 0;				/* the shard moved away */
 
 	/*
 	 * Which topics to look at: with no default route (or a default of none),
@@ -537,7 +577,7 @@ outbox_publish_batch(TimestampTz now, int limit, bool careful,
  * Returns whether it was a candidate.
  */
 static bool
-outbox_publish_row(TimestampTz now, int64 id, volatile bool *started,
+outbox_publish_row(Oid shard, TimestampTz now, int64 id, volatile bool *started,
 				   uint64 *published_count, uint64 *failed_count)
 {
 	OutboxSqlContext context;
@@ -546,7 +586,8 @@ outbox_publish_row(TimestampTz now, int64 id, volatile bool *started,
 
 	*published_count = *failed_count = 0;
 	*started = false;
-	outbox_sql_begin(&context);
+	if (!outbox_sql_begin_on(&context, shard))
+		return false;
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(1);
 	values[2] = Int64GetDatum(id);
@@ -564,7 +605,7 @@ outbox_publish_row(TimestampTz now, int64 id, volatile bool *started,
  * pending.
  */
 static bool
-outbox_record_failure(TimestampTz now, int64 id, const char *error)
+outbox_record_failure(Oid shard, TimestampTz now, int64 id, const char *error)
 {
 	OutboxSqlContext context;
 	bool		recorded;
@@ -572,7 +613,8 @@ outbox_record_failure(TimestampTz now, int64 id, const char *error)
 	ereport(LOG,
 			(errmsg("idempotency: outbox row %lld could not be published: its transaction failed: %s",
 					(long long) id, error)));
-	outbox_sql_begin(&context);
+	if (!outbox_sql_begin_on(&context, shard))
+		return false;
 	record_failed_attempt(id, error, now);
 	recorded = SPI_processed > 0;
 	outbox_sql_end(&context);
@@ -584,6 +626,36 @@ outbox_record_failure(TimestampTz now, int64 id, const char *error)
  * The ways a batch goes, for the worker and idem_run_maintenance()
  * ---------------------------------------------------------------------
  */
+
+/*
+ * Which outbox the next batch works on (cursor->outbox_shard): the table
+ * (InvalidOid), or, where Citus distributes it, this node's shards of it in
+ * turn, each until it has nothing ready; a batch that failed goes on
+ * carefully, then row by row, on its shard.  False once every shard has had
+ * its turn: the next round starts again at the first.
+ */
+static bool
+publish_target(MaintenanceCursor *cursor)
+{
+	List	   *shards;
+
+	if (!idem_table_distributed(IDEM_TABLE_OUTBOX))
+	{
+		cursor->outbox_shard = InvalidOid;
+		return true;
+	}
+	if (cursor->publish_way != PUBLISH_FAST && OidIsValid(cursor->outbox_shard))
+		return true;
+	shards = idem_table_parts(IDEM_TABLE_OUTBOX);
+	if (cursor->outbox_part >= list_length(shards))
+	{
+		cursor->outbox_part = 0;
+		cursor->outbox_shard = InvalidOid;
+		return false;
+	}
+	cursor->outbox_shard = list_nth_oid(shards, cursor->outbox_part);
+	return true;
+}
 
 /*
  * One publish batch, the way cursor->publish_way says (see PublishWay), in
@@ -600,14 +672,14 @@ publish_batch(MaintenanceCursor *cursor, MaintenanceCounts *counts)
 	bool		more;
 
 	cursor->last_publish_way = way;
-	/* a distributed outbox's rows are in shards the SQL does not reach yet */
-	if (idem_table_distributed(IDEM_TABLE_OUTBOX))
+	if (!publish_target(cursor))
 		return false;
 	if (way == PUBLISH_ALONE && cursor->alone_next < cursor->alone.count)
 	{
 		int64		id = cursor->alone.ids[cursor->alone_next++];
 
-		(void) outbox_publish_row(now, id, &cursor->alone_started, &published, &failed);
+		(void) outbox_publish_row(cursor->outbox_shard, now, id, &cursor->alone_started,
+								  &published, &failed);
 		cursor->alone_progress |= published + failed > 0;
 		more = cursor->alone_next < cursor->alone.count || cursor->alone_progress;
 		if (cursor->alone_next >= cursor->alone.count)
@@ -624,10 +696,17 @@ publish_batch(MaintenanceCursor *cursor, MaintenanceCounts *counts)
 		/* (a PUBLISH_ALONE whose rows are done goes the fast way) */
 		cursor->last_publish_way = careful ? PUBLISH_CAREFULLY : PUBLISH_FAST;
 		/* a careful batch keeps its rows' ids, to try them alone if it fails */
-		looked_at = outbox_publish_batch(now, limit, careful, &published, &failed,
+		looked_at = outbox_publish_batch(cursor->outbox_shard, now, limit, careful,
+										 &published, &failed,
 										 careful ? &cursor->alone : NULL);
 		cursor->publish_way = PUBLISH_FAST;
 		more = looked_at >= (uint64) limit && (published > 0 || careful);
+	}
+	/* a shard done with, the next one's turn */
+	if (!more && OidIsValid(cursor->outbox_shard) && cursor->publish_way == PUBLISH_FAST)
+	{
+		cursor->outbox_part++;
+		more = true;
 	}
 	counts->published += published;
 	counts->publish_failures += failed;
@@ -694,7 +773,7 @@ publish_blame(MaintenanceCursor *cursor, const char *error,
 {
 	int64		id = cursor->alone.ids[cursor->alone_next - 1];
 
-	if (!outbox_record_failure(GetCurrentTimestamp(), id,
+	if (!outbox_record_failure(cursor->outbox_shard, GetCurrentTimestamp(), id,
 							   error != NULL ? error : "unknown error"))
 		return false;
 	counts->publish_failures++;
@@ -703,23 +782,11 @@ publish_blame(MaintenanceCursor *cursor, const char *error,
 	return true;
 }
 
-/*
- * One publish batch for idem_run_maintenance, the ways the worker goes (see
- * PublishWay), each in a subtransaction rather than a transaction of its
- * own: the fast way (up to publish_batch_size rows in one go); if it fails,
- * the careful way (at most 32 rows, each in a subtransaction of its own, so
- * the failing row is recorded and the others go out); and if even that
- * fails, each of its rows alone, a failing one's attempt recorded once its
- * subtransaction is undone.  A failure at the caller's commit is beyond
- * reach here: the worker, whose transactions these are, records it.
- */
-void
-publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts)
+/* publish_fast_then_carefully's batch, and the ways it goes after a failure */
+static void
+publish_one_batch_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts,
+							MemoryContext context, ResourceOwner owner)
 {
-	MemoryContext context = CurrentMemoryContext;
-	ResourceOwner owner = CurrentResourceOwner;
-
-	cursor->publish_way = PUBLISH_FAST;
 	do
 	{
 		BeginInternalSubTransaction(NULL);
@@ -743,6 +810,34 @@ publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
 		}
 		PG_END_TRY();
 	} while (cursor->publish_way != PUBLISH_FAST);
+}
+
+/*
+ * One publish batch for idem_run_maintenance (one on each of this node's
+ * shards of a distributed outbox), the ways the worker goes (see
+ * PublishWay), each in a subtransaction rather than a transaction of its
+ * own: the fast way (up to publish_batch_size rows in one go); if it fails,
+ * the careful way (at most 32 rows, each in a subtransaction of its own, so
+ * the failing row is recorded and the others go out); and if even that
+ * fails, each of its rows alone, a failing one's attempt recorded once its
+ * subtransaction is undone.  A failure at the caller's commit is beyond
+ * reach here: the worker, whose transactions these are, records it.
+ */
+void
+publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts)
+{
+	MemoryContext context = CurrentMemoryContext;
+	ResourceOwner owner = CurrentResourceOwner;
+	int			turns = 1;
+
+	/* one batch of each of this node's shards of a distributed outbox */
+	if (idem_table_distributed(IDEM_TABLE_OUTBOX))
+		turns = list_length(idem_table_parts(IDEM_TABLE_OUTBOX));
+	for (int turn = 0; turn < turns; turn++)
+	{
+		cursor->publish_way = PUBLISH_FAST;
+		publish_one_batch_carefully(cursor, counts, context, owner);
+	}
 }
 
 /*

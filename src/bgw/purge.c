@@ -323,24 +323,31 @@ idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 }
 
 /*
- * Delete up to limit published rows older than idempotency.outbox_retention.
+ * Delete up to limit published rows older than idempotency.outbox_retention
+ * (of each of this node's shards of a distributed outbox).  Returns how many
+ * were; limit or more means there may be more.
  */
 static uint64
 outbox_purge_published(TimestampTz now, int limit)
 {
 	OutboxSqlContext context;
 	Datum		values[2];
-	uint64		deleted;
+	uint64		deleted = 0;
+	List	   *shards = list_make1_oid(InvalidOid);
+	ListCell   *lc;
 
-	/* a distributed outbox's rows are in shards the SQL does not reach yet */
 	if (idem_table_distributed(IDEM_TABLE_OUTBOX))
-		return 0;
+		shards = idem_table_parts(IDEM_TABLE_OUTBOX);
 	values[0] = TimestampTzGetDatum(TimestampTzPlusMilliseconds(now,
 																-(int64) idem_outbox_retention_s * 1000));
 	values[1] = Int32GetDatum(limit);
-	outbox_sql_begin(&context);
-	deleted = outbox_sql_run(STMT_PURGE_PUBLISHED, values, NULL);
-	outbox_sql_end(&context);
+	foreach(lc, shards)
+	{
+		if (!outbox_sql_begin_on(&context, lfirst_oid(lc)))
+			continue;			/* the shard moved away */
+		deleted += outbox_sql_run(STMT_PURGE_PUBLISHED, values, NULL);
+		outbox_sql_end(&context);
+	}
 	return deleted;
 }
 
@@ -380,7 +387,7 @@ purge_batch(MaintenanceUnit unit, MaintenanceCursor *cursor,
 			break;
 		case UNIT_PURGE_OUTBOX:
 			done = outbox_purge_published(now, idem_purge_batch_size);
-			more = done == (uint64) idem_purge_batch_size;
+			more = done >= (uint64) idem_purge_batch_size;
 			break;
 		case UNIT_PUBLISH:		/* bgw/publish.c's */
 		case NUM_MAINTENANCE_UNITS:

@@ -17,17 +17,34 @@
  * SQL API (api/outbox.c), publishing (bgw/publish.c) and the purge
  * (bgw/purge.c).
  *
+ * Where Citus distributes the outbox, its rows are in shards, plain tables
+ * on the node that holds them: the statements run on one shard at a time,
+ * the same text with the shard's name for idempotency.outbox and this
+ * node's placement of the routes (a reference table) for outbox_routes,
+ * planned once per shard (outbox_sql_begin_on).  Citus leaves a shard's
+ * rows to whoever writes them (it refuses only DDL, TRUNCATE and LOCK of a
+ * shard), and plans a statement that names no Citus table as PostgreSQL
+ * does.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
+#include "catalog/namespace.h"
 #include "catalog/pg_type.h"
 #include "executor/spi.h"
+#include "lib/stringinfo.h"
 #include "miscadmin.h"
+#include "storage/lmgr.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
+#include "utils/hsearch.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/syscache.h"
 
 #include "direct/outbox_sql.h"
+#include "direct/shards.h"
 #include "direct/tables.h"
 #include "infra/run_as.h"
 
@@ -436,6 +453,94 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 static SPIPlanPtr plans[NUM_STATEMENTS];
 
 /*
+ * The plans of the statements on one shard of a distributed outbox, kept
+ * for the backend's life too, by the shard's OID: the name it had when
+ * planned tells a shard from another that got its OID since.
+ */
+typedef struct ShardPlans
+{
+	Oid			shard;			/* hash key */
+	NameData	name;
+	SPIPlanPtr	plans[NUM_STATEMENTS];
+} ShardPlans;
+
+static HTAB *shard_plans;
+
+/* Where the statements run now: a shard's plans, or NULL for the tables. */
+static ShardPlans *current_shard;
+
+/*
+ * The plans of shard, under its current name, named name; those made under
+ * another name are freed.
+ */
+static ShardPlans *
+plans_of_shard(Oid shard, const char *name)
+{
+	ShardPlans *entry;
+	bool		found;
+
+	if (shard_plans == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = sizeof(Oid);
+		ctl.entrysize = sizeof(ShardPlans);
+		ctl.hcxt = TopMemoryContext;
+		shard_plans = hash_create("idempotency outbox shard plans", 16, &ctl,
+								  HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+	}
+	entry = hash_search(shard_plans, &shard, HASH_ENTER, &found);
+	if (found && strcmp(NameStr(entry->name), name) == 0)
+		return entry;
+	if (found)
+		for (int i = 0; i < NUM_STATEMENTS; i++)
+			if (entry->plans[i] != NULL)
+				SPI_freeplan(entry->plans[i]);
+	memset(entry->plans, 0, sizeof(entry->plans));
+	namestrcpy(&entry->name, name);
+	return entry;
+}
+
+/*
+ * The text of a statement on a shard: idempotency.outbox becomes the
+ * shard, idempotency.outbox_routes this node's placement of the routes
+ * (or stays, for Citus to find, on a node without one).
+ */
+static char *
+statement_on_shard(const char *sql, Oid shard)
+{
+	static const char table[] = "idempotency.outbox";
+	static const char routes_suffix[] = "_routes";
+	const char *outbox_name = quote_qualified_identifier(get_namespace_name(get_rel_namespace(shard)),
+														 get_rel_name(shard));
+	const char *routes_name = "idempotency.outbox_routes";
+	Oid			routes = get_relname_relid("outbox_routes", get_rel_namespace(shard));
+	List	   *placements = OidIsValid(routes) ? idem_local_shards(routes) : NIL;
+	StringInfoData text;
+	const char *rest = sql;
+	const char *hit;
+
+	if (placements != NIL)
+		routes_name = quote_qualified_identifier(get_namespace_name(get_rel_namespace(shard)),
+												 get_rel_name(linitial_oid(placements)));
+	initStringInfo(&text);
+	while ((hit = strstr(rest, table)) != NULL)
+	{
+		appendBinaryStringInfo(&text, rest, hit - rest);
+		rest = hit + strlen(table);
+		if (strncmp(rest, routes_suffix, strlen(routes_suffix)) == 0)
+		{
+			appendStringInfoString(&text, routes_name);
+			rest += strlen(routes_suffix);
+		}
+		else
+			appendStringInfoString(&text, outbox_name);
+	}
+	appendStringInfoString(&text, rest);
+	return text.data;
+}
+
+/*
  * Enter the context the outbox's statements run in: as the owner of the
  * extension's tables, with search_path pinned to pg_catalog (see
  * infra/run_as.c), connected to SPI.  An error on the way out of here is
@@ -445,11 +550,42 @@ static SPIPlanPtr plans[NUM_STATEMENTS];
 void
 outbox_sql_begin(OutboxSqlContext *context)
 {
+	(void) outbox_sql_begin_on(context, InvalidOid);
+}
+
+/*
+ * The same, for the statements to run on shard, one of this node's shards
+ * of a distributed outbox (InvalidOid: the table itself).  The shard is
+ * locked first, and its metadata as a write of Citus's would
+ * (idem_lock_local_shard); if it is no longer placed here (moved away),
+ * nothing is begun and false is returned.
+ */
+bool
+outbox_sql_begin_on(OutboxSqlContext *context, Oid shard)
+{
 	Oid			owner = idem_outbox_owner();
 
+	context->outer_shard = current_shard;
+	current_shard = NULL;
 	idem_run_as_begin(&context->run_as, owner, SECURITY_LOCAL_USERID_CHANGE);
+	if (OidIsValid(shard))
+	{
+		char	   *name;
+
+		LockRelationOid(shard, RowExclusiveLock);
+		name = get_rel_name(shard);
+		if (name == NULL || !idem_lock_local_shard(shard))
+		{
+			/* moved away: its old table may still be here, for Citus to drop */
+			idem_run_as_end(&context->run_as, false);
+			current_shard = context->outer_shard;
+			return false;
+		}
+		current_shard = plans_of_shard(shard, name);
+	}
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
+	return true;
 }
 
 void
@@ -457,16 +593,22 @@ outbox_sql_end(OutboxSqlContext *context)
 {
 	SPI_finish();
 	idem_run_as_end(&context->run_as, true);
+	/* a route's function may have run statements of its own meanwhile */
+	current_shard = context->outer_shard;
 }
 
 /* The plan of one of the statements above, prepared on first use. */
 SPIPlanPtr
 outbox_plan(OutboxStatement statement)
 {
-	if (plans[statement] == NULL)
+	SPIPlanPtr *kept = current_shard != NULL ? current_shard->plans : plans;
+
+	if (kept[statement] == NULL)
 	{
 		const StatementDef *def = &statements[statement];
-		SPIPlanPtr	plan = SPI_prepare_cursor(def->sql, def->nargs, (Oid *) def->argtypes,
+		const char *sql = current_shard != NULL ?
+			statement_on_shard(def->sql, current_shard->shard) : def->sql;
+		SPIPlanPtr	plan = SPI_prepare_cursor(sql, def->nargs, (Oid *) def->argtypes,
 											  def->custom_plan ? CURSOR_OPT_CUSTOM_PLAN : 0);
 
 		if (plan == NULL)
@@ -474,9 +616,9 @@ outbox_plan(OutboxStatement statement)
 				 (int) statement, SPI_result_code_string(SPI_result));
 		if (SPI_keepplan(plan) != 0)
 			elog(ERROR, "could not keep outbox statement %d", (int) statement);
-		plans[statement] = plan;
+		kept[statement] = plan;
 	}
-	return plans[statement];
+	return kept[statement];
 }
 
 /*

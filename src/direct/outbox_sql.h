@@ -89,9 +89,11 @@ enum
 typedef struct OutboxSqlContext
 {
 	IdemRunAs	run_as;
+	struct ShardPlans *outer_shard; /* where the statements ran before */
 } OutboxSqlContext;
 
 extern void outbox_sql_begin(OutboxSqlContext *context);
+extern bool outbox_sql_begin_on(OutboxSqlContext *context, Oid shard);
 extern void outbox_sql_end(OutboxSqlContext *context);
 extern SPIPlanPtr outbox_plan(OutboxStatement statement);
 extern uint64 outbox_sql_run(OutboxStatement statement, Datum *values,

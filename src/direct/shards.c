@@ -403,6 +403,35 @@ idem_local_shards(Oid shell)
 }
 
 /*
+ * Lock the metadata of the shard whose table is relid (one of
+ * idem_local_shards's), as a function does before it writes its shard
+ * (idem_shard_for_value), and say whether the shard is still placed on this
+ * node.  A move switches the placement holding that lock in ExclusiveLock:
+ * a writer that holds it finishes on the old placement before the switch
+ * (and its writes are copied), one that comes after finds the shard gone
+ * from here, even while its old table waits for Citus's deferred drop.
+ */
+bool
+idem_lock_local_shard(Oid relid)
+{
+	char	   *name = get_rel_name(relid);
+	char	   *suffix = name != NULL ? strrchr(name, '_') : NULL;
+	char	   *end;
+	int64		shard;
+
+	if (suffix == NULL)
+		return false;
+	errno = 0;
+	shard = strtoi64(suffix + 1, &end, 10);
+	if (errno != 0 || *end != '\0' || end == suffix + 1)
+		return false;
+	lock_shard_metadata(shard);
+	AcceptInvalidationMessages();
+	InvalidateCatalogSnapshot();
+	return placed_in_group(shard, idem_citus_local_group());
+}
+
+/*
  * Does Citus delegate calls of the function to the node of a shard: is it
  * a distributed function (pg_dist_object) with a distribution argument?
  * False where Citus is not installed.

@@ -20,6 +20,7 @@ extern AttrNumber idem_citus_distribution_column(Oid relid);
 extern Oid	idem_shard_for_value(Relation shell, text *value,
 								 const char *function_name);
 extern List *idem_local_shards(Oid shell);
+extern bool idem_lock_local_shard(Oid relid);
 extern int32 idem_citus_local_group(void);
 extern bool idem_citus_delegates_function(Oid funcid);
 

@@ -33,6 +33,7 @@
  */
 #include "postgres.h"
 
+#include "access/genam.h"
 #include "access/relation.h"
 #include "access/table.h"
 #include "access/xact.h"
@@ -40,12 +41,15 @@
 #include "access/htup_details.h"
 #include "catalog/namespace.h"
 #include "nodes/makefuncs.h"
+#include "catalog/pg_collation.h"
+#include "catalog/pg_index.h"
 #include "catalog/pg_type.h"
 #include "commands/sequence.h"
 #include "executor/executor.h"
 #include "executor/tuptable.h"
 #include "miscadmin.h"
 #include "storage/lmgr.h"
+#include "utils/builtins.h"
 #include "utils/fmgroids.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
@@ -145,6 +149,9 @@ static char cached_partmethod[IDEM_NUM_TABLES];
 #define MAX_CHECKED_SHARDS 64
 static Oid	checked_shards[MAX_CHECKED_SHARDS];
 static Oid	cached_sequence = InvalidOid;	/* outbox ids, see idem_outbox_next_id */
+
+/* On Citus, the low bits of an outbox id that hold the node's group id */
+#define CITUS_GROUP_BITS 16
 
 /*
  * The row version this transaction wrote last, so that the next call about
@@ -369,6 +376,31 @@ idem_table_part_open(IdemTable table, Oid relid, LOCKMODE lockmode)
 			return heap;
 	idem_check_table(heap, &table_defs[table]);
 	return heap;
+}
+
+/*
+ * Where a statement of the outbox's SQL (outbox_sql.c) is to run for the
+ * distribution value value: InvalidOid for the table itself, or, where Citus
+ * distributes it, the shard that holds value on this node, locked and
+ * checked (an ERROR naming function_name and how to call it otherwise).
+ */
+Oid
+idem_table_shard_for(IdemTable table, text *value, LOCKMODE lockmode,
+					 const char *function_name)
+{
+	char		partmethod;
+	Relation	heap = open_table(table, lockmode, &partmethod);
+	Oid			shard = InvalidOid;
+
+	if (partmethod == IDEM_CITUS_HASH)
+	{
+		Relation	rel = open_shard(table, heap, value, lockmode, function_name);
+
+		shard = RelationGetRelid(rel);
+		table_close(rel, NoLock);
+	}
+	table_close(heap, NoLock);
+	return shard;
 }
 
 /*
@@ -846,19 +878,55 @@ idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls, int nrows)
 }
 
 /*
- * The next outbox id, from the sequence the outbox's id column defaults to.
- * The caller has the outbox open, so an invalidation that dropped or
- * replaced the sequence has been processed and the cached OID forgotten.
+ * Move the sequence past target, for idem_outbox_next_id.  setval is not
+ * transactional, and safe only while no other transaction can call nextval
+ * (it would move the sequence back below values handed out meanwhile):
+ * ShareLock on the sequence waits for the transactions that called nextval
+ * to end (nextval holds RowExclusiveLock until then) and keeps others out.
+ * It is taken in a subtransaction rolled back at once, which releases the
+ * lock and keeps the setval.  Returns a value past target.
+ */
+static int64
+sequence_past(Oid seqid, int64 target)
+{
+	MemoryContext context = CurrentMemoryContext;
+	ResourceOwner owner = CurrentResourceOwner;
+	int64		value;
+
+	BeginInternalSubTransaction(NULL);
+	MemoryContextSwitchTo(context);
+	LockRelationOid(seqid, ShareLock);
+	value = nextval_internal(seqid, false);
+	if (value <= target)
+		(void) DirectFunctionCall2(setval_oid, ObjectIdGetDatum(seqid), Int64GetDatum(target));
+	RollbackAndReleaseCurrentSubTransaction();
+	MemoryContextSwitchTo(context);
+	CurrentResourceOwner = owner;
+	return value > target ? value : nextval_internal(seqid, false);
+}
+
+/*
+ * The next outbox id, from the sequence the outbox's id column defaults to,
+ * above floor.  The caller has the outbox open, so an invalidation that
+ * dropped or replaced the sequence has been processed and the cached OID
+ * forgotten.
  *
- * Where Citus distributes the outbox, each node enqueues with its own
- * sequence, which Citus leaves alone (it belongs to the extension): the
- * node's group id goes into the top 16 bits, as Citus does for the
- * sequences of distributed tables, so that ids are unique in the cluster.
- * Ids then grow within a node, not across nodes.
+ * On one node, the sequence's next value, always above any id the caller
+ * can see.  Where Citus distributes the outbox, each node enqueues with its
+ * own sequence, which Citus leaves alone (it belongs to the extension): the
+ * value goes into the top 48 bits and the node's group id into the low 16,
+ * so that ids are unique in the cluster.  A shard that moved here brings
+ * the ids of its old node, whose sequence may be ahead of this one's: the
+ * caller gives the last unpublished id of the topic (idem_outbox_last_id)
+ * as floor, and the sequence is moved past it when it is behind, so that
+ * a topic's ids keep growing (and its keys' rows their order) across moves.
  */
 int64
-idem_outbox_next_id(void)
+idem_outbox_next_id(int64 floor)
 {
+	int32		group;
+	int64		value;
+
 	if (!OidIsValid(cached_sequence))
 	{
 		Oid			seqid = RangeVarGetRelid(makeRangeVar(IDEM_SCHEMA, OUTBOX_SEQUENCE, -1),
@@ -872,10 +940,71 @@ idem_outbox_next_id(void)
 		cached_sequence = seqid;
 	}
 	/* the caller's EXECUTE on the enqueue function is the permission */
-	if (cached_partmethod[IDEM_TABLE_OUTBOX] == IDEM_CITUS_HASH)
-		return ((int64) Max(idem_citus_local_group(), 0) << 48) +
-			nextval_internal(cached_sequence, false);
-	return nextval_internal(cached_sequence, false);
+	value = nextval_internal(cached_sequence, false);
+	if (cached_partmethod[IDEM_TABLE_OUTBOX] != IDEM_CITUS_HASH)
+		return value;
+
+	group = Max(idem_citus_local_group(), 0);
+	if (floor != PG_INT64_MIN && value <= (floor >> CITUS_GROUP_BITS))
+		value = sequence_past(cached_sequence, floor >> CITUS_GROUP_BITS);
+	if (value >= (INT64CONST(1) << (63 - CITUS_GROUP_BITS)))
+		ereport(ERROR,
+				(errcode(ERRCODE_SEQUENCE_GENERATOR_LIMIT_EXCEEDED),
+				 errmsg("outbox id sequence \"%s.%s\" is past its limit on Citus (2^47)",
+						IDEM_SCHEMA, OUTBOX_SEQUENCE)));
+	return (value << CITUS_GROUP_BITS) | group;
+}
+
+/*
+ * Where Citus distributes the outbox, the last unpublished id of topic in
+ * its shard open in rel, the floor of idem_outbox_next_id: from the (topic,
+ * id) index of unpublished rows, read backwards under the latest snapshot
+ * (rows committed since the transaction's snapshot count too).
+ * PG_INT64_MIN if there is none, and on one node.
+ */
+int64
+idem_outbox_last_id(IdemRelation *rel, text *topic)
+{
+	List	   *indexes;
+	ListCell   *lc;
+	int64		last = PG_INT64_MIN;
+
+	if (cached_partmethod[IDEM_TABLE_OUTBOX] != IDEM_CITUS_HASH)
+		return PG_INT64_MIN;
+	indexes = RelationGetIndexList(rel->heap);
+
+	foreach(lc, indexes)
+	{
+		Relation	index = index_open(lfirst_oid(lc), AccessShareLock);
+		Form_pg_index form = index->rd_index;
+		IndexScanDesc scan;
+		ScanKeyData key;
+		TupleTableSlot *slot;
+
+		if (form->indnatts != 2 || form->indkey.values[0] != Anum_outbox_topic ||
+			form->indkey.values[1] != Anum_outbox_id)
+		{
+			index_close(index, AccessShareLock);
+			continue;
+		}
+		ScanKeyInit(&key, 1, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(topic));
+		key.sk_collation = C_COLLATION_OID;
+		slot = table_slot_create(rel->heap, NULL);
+		scan = index_beginscan(rel->heap, index, GetLatestSnapshot(), 1, 0);
+		index_rescan(scan, &key, 1, NULL, 0);
+		if (index_getnext_slot(scan, BackwardScanDirection, slot))
+		{
+			bool		isnull;
+
+			last = DatumGetInt64(slot_getattr(slot, Anum_outbox_id, &isnull));
+		}
+		index_endscan(scan);
+		ExecDropSingleTupleTableSlot(slot);
+		index_close(index, AccessShareLock);
+		break;
+	}
+	list_free(indexes);
+	return last;
 }
 
 /*

@@ -138,6 +138,8 @@ typedef struct ProbeResult
 extern Oid	idem_outbox_owner(void);
 extern const ExpectedTable *idem_table_def(IdemTable table);
 extern bool idem_table_distributed(IdemTable table);
+extern Oid	idem_table_shard_for(IdemTable table, text *value, LOCKMODE lockmode,
+								 const char *function_name);
 extern List *idem_table_parts(IdemTable table);
 extern Relation idem_table_part_open(IdemTable table, Oid relid,
 									 LOCKMODE lockmode);
@@ -157,7 +159,8 @@ extern bool idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls);
 extern void idem_insert(IdemRelation *rel, Datum *values, bool *nulls);
 extern void idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls,
 							 int nrows);
-extern int64 idem_outbox_next_id(void);
+extern int64 idem_outbox_next_id(int64 floor);
+extern int64 idem_outbox_last_id(IdemRelation *rel, text *topic);
 extern TM_Result idem_update(IdemRelation *rel, ItemPointer tid,
 							 Datum *values, bool *nulls, bool wait);
 extern TM_Result idem_delete(IdemRelation *rel, ItemPointer tid, bool wait);

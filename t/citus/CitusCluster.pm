@@ -13,7 +13,7 @@ use PostgreSQL::Test::Utils;
 
 sub node
 {
-	my ($name) = @_;
+	my ($name, $conf) = @_;
 	my $node = PostgreSQL::Test::Cluster->new($name);
 	# wal_level = logical: shard moves copy by logical replication
 	$node->init(allows_streaming => 'logical');
@@ -27,6 +27,7 @@ citus.shard_count = 4
 citus.shard_replication_factor = 1
 citus.local_hostname = '@{[ $node->host ]}'
 idempotency.purge_interval = '1s'
+$conf
 });
 	$node->start;
 	$node->safe_psql('postgres', 'CREATE EXTENSION citus');
@@ -35,13 +36,14 @@ idempotency.purge_interval = '1s'
 
 # The coordinator and two workers, the application's table "payments"
 # distributed by tenant (text COLLATE "C"), and the extension distributed
-# with it.
+# with it.  conf, if given, is added to every node's postgresql.conf.
 sub new
 {
-	my ($class) = @_;
+	my ($class, %options) = @_;
+	my $conf = $options{conf} // '';
 	my $self = bless {}, $class;
-	$self->{coordinator} = node('coordinator');
-	$self->{workers} = [ node('worker1'), node('worker2') ];
+	$self->{coordinator} = node('coordinator', $conf);
+	$self->{workers} = [ node('worker1', $conf), node('worker2', $conf) ];
 
 	my $c = $self->{coordinator};
 	my $host = $c->host;
