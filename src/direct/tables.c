@@ -990,7 +990,7 @@ idem_outbox_last_id(IdemRelation *rel, text *topic)
 		ScanKeyInit(&key, 1, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(topic));
 		key.sk_collation = C_COLLATION_OID;
 		slot = table_slot_create(rel->heap, NULL);
-		scan = index_beginscan(rel->heap, index, GetLatestSnapshot(), 1, 0);
+		scan = compat_index_beginscan(rel->heap, index, GetLatestSnapshot(), 1, 0);
 		index_rescan(scan, &key, 1, NULL, 0);
 		if (index_getnext_slot(scan, BackwardScanDirection, slot))
 		{
