@@ -62,6 +62,7 @@
 #include "utils/tuplestore.h"
 
 #include "compat.h"
+#include "direct/outbox_ack.h"
 #include "direct/outbox_sql.h"
 #include "direct/tables.h"
 #include "infra/args.h"
@@ -931,11 +932,13 @@ idem_outbox_fetch(PG_FUNCTION_ARGS)
 static int32
 acknowledge(Datum ids, Datum attempts, bool fenced)
 {
-	Datum		values[3];
-	char		nulls[3] = {' ', ' ', ' '};
+	Datum		values[4];
+	char		nulls[4] = {' ', ' ', ' ', ' '};
 	OutboxSqlContext context;
 	uint64		acknowledged;
 	bool		keep = idem_outbox_retention_s != 0;
+	Snapshot	snapshot;
+	ArrayType  *unblocked;
 
 	idem_require_writable("idem_outbox_ack()");
 	refuse_distributed_outbox("idem_outbox_ack()");
@@ -945,10 +948,32 @@ acknowledge(Datum ids, Datum attempts, bool fenced)
 	nulls[2] = fenced ? ' ' : 'n';
 
 	outbox_sql_begin(&context);
-	acknowledged = outbox_sql_run(fenced ?
-								  (keep ? STMT_ACK_FENCED_KEEP : STMT_ACK_FENCED_DELETE) :
-								  (keep ? STMT_ACK_KEEP : STMT_ACK_DELETE),
-								  values, nulls);
+
+	/*
+	 * The order check read from the indexes, and the write under the same
+	 * snapshot, as the one statement of the SQL check would have it; the
+	 * command counter advanced first, as SPI does before a statement, so that
+	 * both see what this transaction wrote so far.
+	 */
+	CommandCounterIncrement();
+	snapshot = RegisterSnapshot(GetTransactionSnapshot());
+	unblocked = outbox_ack_unblocked(DatumGetArrayTypeP(ids),
+									 fenced ? DatumGetArrayTypeP(attempts) : NULL,
+									 fenced, snapshot);
+	if (unblocked != NULL)
+	{
+		values[3] = PointerGetDatum(unblocked);
+		acknowledged = outbox_sql_run_snapshot(fenced ?
+											   (keep ? STMT_ACK_CHECKED_FENCED_KEEP : STMT_ACK_CHECKED_FENCED_DELETE) :
+											   (keep ? STMT_ACK_CHECKED_KEEP : STMT_ACK_CHECKED_DELETE),
+											   values, nulls, snapshot);
+	}
+	else
+		acknowledged = outbox_sql_run_snapshot(fenced ?
+											   (keep ? STMT_ACK_FENCED_KEEP : STMT_ACK_FENCED_DELETE) :
+											   (keep ? STMT_ACK_KEEP : STMT_ACK_DELETE),
+											   values, nulls, snapshot);
+	UnregisterSnapshot(snapshot);
 	outbox_sql_end(&context);
 	return (int32) acknowledged;
 }
