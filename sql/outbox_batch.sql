@@ -102,6 +102,15 @@ FROM second_handout;
 SELECT idem_outbox_ack(ARRAY[999, NULL]::bigint[], ARRAY[1, NULL]) AS nothing;
 SELECT idem_outbox_ack(ARRAY[]::bigint[], ARRAY[]::int[]) AS empty;
 
+-- A row whose attempt is stale in a fenced acknowledgement is not taken by
+-- it, and so holds back the later rows of its key named beside it.
+TRUNCATE outbox;
+SELECT array_agg(id) AS h_ids FROM idem_outbox_enqueue_batch('stale-head',
+	array_fill('{}'::jsonb, ARRAY[2]), ARRAY['h', 'h']) AS h(id) \gset
+SELECT count(*) AS handed_out FROM idem_outbox_fetch('stale-head', 10, '1 hour', 2);
+SELECT idem_outbox_ack(:'h_ids'::bigint[], ARRAY[0, 1]) AS behind_a_stale_head;
+SELECT idem_outbox_ack(:'h_ids'::bigint[], ARRAY[1, 1]) AS both_current;
+
 -- A nack of a row of a hand-out puts the later rows of that hand-out back
 -- to pending at once, their hand-out not counted as an attempt; the nacked
 -- row backs off, holding its key.  The earlier rows stay leased.
