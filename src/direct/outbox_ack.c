@@ -13,8 +13,12 @@
  * acknowledged if it has no key, or comes no later than its key's first
  * blocking row.  Through the executor that was a rescan of a plan per key
  * (a hash join, a limit, an index scan with four runtime keys), which with
- * a hundred keys a batch cost the ack three times its work without keys;
- * here each key is one descent of outbox_key_order.
+ * a hundred keys a batch cost the ack three times its work without keys.
+ * Here the topic's unpublished rows are walked in id order from its oldest
+ * (outbox_ready), which finds every key's first blocking row at once when
+ * the ack's rows lie close together, as a hand-out's do (topic_walk); where
+ * the walk would be long, each key is one descent of outbox_key_order
+ * (key_blocker).
  *
  * The caller runs the write (outbox_sql.c's ACK_CHECKED_*) under the same
  * snapshot, which still tests each row's state and fence itself, so that
@@ -24,7 +28,7 @@
  * whole check in SQL instead.
  *
  * Owns: the reading of outbox_id, outbox_ready and outbox_key_order for the
- *	  check, and what it needs of them.
+ *	  check, and what it needs of them (open_checked_index).
  * May call: direct/tables.h.  Called by api/outbox.c.
  *
  *-------------------------------------------------------------------------
@@ -255,30 +259,91 @@ slot_taken(AckCheck *check, TupleTableSlot *slot, int64 id)
 	return true;
 }
 
-/* The topic's oldest unpublished row, or 0 if it has none. */
+/* The first of rows[first..last] (sorted by key) whose key is key, or -1. */
+static int
+find_key(AckRow *rows, int first, int last, text *key)
+{
+	int			lo = first;
+	int			hi = last + 1;
+
+	while (lo < hi)
+	{
+		int			mid = (lo + hi) / 2;
+
+		if (compare_text(rows[mid].key, key) < 0)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return lo <= last && compare_text(rows[lo].key, key) == 0 ? lo : -1;
+}
+
+/*
+ * The topic's oldest unpublished row, or 0 if it has none, read from
+ * outbox_ready; and, while the walk stays short, the first blocking row of
+ * each key of rows[first..last] (the ack's keyed rows of the topic, by key,
+ * then id), set in the key's first row, with *decided true: walking the
+ * topic's unpublished rows in id order on up to the newest of those rows,
+ * a key's first blocking row is the first row of the key met that is not
+ * taken.  When a hand-out is a run of rows in id order, as a drain's is,
+ * that walk reads little more than the ack's own rows, where a descent per
+ * key would read each key's part of outbox_key_order.  A walk that would
+ * read more than budget rows stops (*decided false), and the keys are left
+ * to key_blocker.
+ */
 static int64
-topic_oldest(AckCheck *check, Relation ready, text *topic)
+topic_walk(AckCheck *check, Relation ready, AckRow *rows, int first, int last,
+		   int budget, bool *decided)
 {
 	ScanKeyData key;
 	IndexScanDesc scan;
 	int64		oldest = 0;
+	int64		newest = 0;
+	bool		stopped = false;
 
+	for (int i = first; i <= last; i++)
+		newest = Max(newest, rows[i].id);
 	ScanKeyEntryInitialize(&key, 0, 1, BTEqualStrategyNumber, InvalidOid,
-						   C_COLLATION_OID, F_TEXTEQ, PointerGetDatum(topic));
+						   C_COLLATION_OID, F_TEXTEQ, PointerGetDatum(rows[first].topic));
 	scan = compat_index_beginscan(check->heap, ready, check->snapshot, 1, 0);
 	index_rescan(scan, &key, 1, NULL, 0);
 	while (index_getnext_slot(scan, ForwardScanDirection, check->slot))
 	{
 		bool		isnull;
+		int64		id;
+		Datum		row_key;
+		int			group;
 
 		CHECK_FOR_INTERRUPTS();
-		if (slot_unpublished(check->slot))
-		{
-			oldest = DatumGetInt64(slot_getattr(check->slot, Anum_outbox_id, &isnull));
+		if (!slot_unpublished(check->slot))
+			continue;
+		id = DatumGetInt64(slot_getattr(check->slot, Anum_outbox_id, &isnull));
+		if (oldest == 0)
+			oldest = id;
+		if (id >= newest)
 			break;
+		if (--budget < 0)
+		{
+			stopped = true;
+			break;
+		}
+		row_key = slot_getattr(check->slot, Anum_outbox_key, &isnull);
+		if (isnull || slot_taken(check, check->slot, id))
+			continue;
+		group = find_key(rows, first, last, DatumGetTextPP(row_key));
+		if (group >= 0 && rows[group].blocker == 0)
+		{
+			int			group_last = group;
+
+			while (group_last < last &&
+				   compare_text(rows[group_last + 1].key, rows[group].key) == 0)
+				group_last++;
+			if (id < rows[group_last].id)
+				rows[group].blocker = id;
 		}
 	}
 	index_endscan(scan);
+	*decided = !stopped;
 	return oldest;
 }
 
@@ -409,12 +474,13 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 			index_endscan(scan);
 		}
 
-		/* each key's first blocking row, one descent per key */
+		/*
+		 * Each key's first blocking row: from the walk of its topic, or, where
+		 * that would be long, one descent per key.
+		 */
 		if (usable && nrows > 0)
 		{
 			IndexScanDesc scan = compat_index_beginscan(check.heap, key_order, snapshot, 4, 0);
-			text	   *oldest_topic = NULL;
-			int64		oldest = 0;
 			int			first = 0;
 
 			qsort(rows, nrows, sizeof(AckRow), compare_ack_rows);
@@ -422,25 +488,31 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 				first++;
 			while (first < nrows)
 			{
-				int			last = first;
-				int64		blocker = 0;
+				int			topic_last = first;
+				bool		decided;
+				int64		oldest;
 
-				while (last + 1 < nrows &&
-					   compare_text(rows[last + 1].topic, rows[first].topic) == 0 &&
-					   compare_text(rows[last + 1].key, rows[first].key) == 0)
-					last++;
-				if (oldest_topic == NULL || compare_text(oldest_topic, rows[first].topic) != 0)
+				while (topic_last + 1 < nrows &&
+					   compare_text(rows[topic_last + 1].topic, rows[first].topic) == 0)
+					topic_last++;
+				oldest = topic_walk(&check, ready, rows, first, topic_last,
+									2 * (topic_last - first + 1) + 16, &decided);
+				while (first <= topic_last)
 				{
-					oldest_topic = rows[first].topic;
-					oldest = topic_oldest(&check, ready, oldest_topic);
+					int			last = first;
+					int64		blocker = rows[first].blocker;
+
+					while (last < topic_last &&
+						   compare_text(rows[last + 1].key, rows[first].key) == 0)
+						last++;
+					/* nothing unpublished in the topic: nothing can block */
+					if (!decided && oldest != 0)
+						blocker = key_blocker(&check, scan, rows[first].topic, rows[first].key,
+											  oldest, rows[last].id);
+					for (int i = first; i <= last; i++)
+						rows[i].blocker = blocker;
+					first = last + 1;
 				}
-				/* nothing unpublished in the topic: nothing can block */
-				if (oldest != 0)
-					blocker = key_blocker(&check, scan, rows[first].topic, rows[first].key,
-										  oldest, rows[last].id);
-				for (int i = first; i <= last; i++)
-					rows[i].blocker = blocker;
-				first = last + 1;
 			}
 			index_endscan(scan);
 		}
