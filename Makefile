@@ -24,6 +24,7 @@ OBJS = \
 	src/infra/run_as.o \
 	src/infra/shmem.o \
 	src/direct/guard.o \
+	src/direct/outbox_ack.o \
 	src/direct/outbox_sql.o \
 	src/direct/shards.o \
 	src/direct/table_check.o \

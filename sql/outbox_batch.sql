@@ -102,6 +102,27 @@ FROM second_handout;
 SELECT idem_outbox_ack(ARRAY[999, NULL]::bigint[], ARRAY[1, NULL]) AS nothing;
 SELECT idem_outbox_ack(ARRAY[]::bigint[], ARRAY[]::int[]) AS empty;
 
+-- A row whose attempt is stale in a fenced acknowledgement is not taken by
+-- it, and so holds back the later rows of its key named beside it.
+TRUNCATE outbox;
+SELECT array_agg(id) AS h_ids FROM idem_outbox_enqueue_batch('stale-head',
+	array_fill('{}'::jsonb, ARRAY[2]), ARRAY['h', 'h']) AS h(id) \gset
+SELECT count(*) AS handed_out FROM idem_outbox_fetch('stale-head', 10, '1 hour', 2);
+SELECT idem_outbox_ack(:'h_ids'::bigint[], ARRAY[0, 1]) AS behind_a_stale_head;
+SELECT idem_outbox_ack(:'h_ids'::bigint[], ARRAY[1, 1]) AS both_current;
+
+-- The same when many rows of other keys lie between a key's rows (the
+-- check then descends into the key's index entries rather than walking the
+-- topic): the later row of k acknowledged alone counts nothing while the
+-- earlier one, leased in the same hand-out, is not named; the two, both.
+TRUNCATE outbox;
+SELECT array_agg(id) AS k_ids FROM idem_outbox_enqueue_batch('far-apart',
+	array_fill('{}'::jsonb, ARRAY[42]),
+	ARRAY['k'] || ARRAY(SELECT 'x' || n FROM generate_series(1, 40) n) || ARRAY['k']) AS k(id) \gset
+SELECT count(*) AS handed_out FROM idem_outbox_fetch('far-apart', 100, '1 hour', 2);
+SELECT idem_outbox_ack(ARRAY[(:'k_ids'::bigint[])[42]]) AS later_alone;
+SELECT idem_outbox_ack(ARRAY[(:'k_ids'::bigint[])[42], (:'k_ids'::bigint[])[1]]) AS both_named;
+
 -- A nack of a row of a hand-out puts the later rows of that hand-out back
 -- to pending at once, their hand-out not counted as an attempt; the nacked
 -- row backs off, holding its key.  The earlier rows stay leased.

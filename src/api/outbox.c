@@ -64,6 +64,7 @@
 #include "utils/tuplestore.h"
 
 #include "compat.h"
+#include "direct/outbox_ack.h"
 #include "direct/outbox_sql.h"
 #include "direct/tables.h"
 #include "infra/args.h"
@@ -1058,11 +1059,13 @@ acknowledge(Datum ids, Datum attempts, bool fenced)
 static int32
 acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 {
-	Datum		values[3];
-	char		nulls[3] = {' ', ' ', ' '};
+	Datum		values[4];
+	char		nulls[4] = {' ', ' ', ' ', ' '};
 	OutboxSqlContext context;
 	uint64		acknowledged = 0;
 	bool		keep = idem_outbox_retention_s != 0;
+	Snapshot	snapshot;
+	ArrayType  *unblocked;
 
 	values[0] = ids;
 	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
@@ -1071,10 +1074,35 @@ acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 
 	if (!outbox_sql_begin_on(&context, shard))
 		return 0;
-	acknowledged = outbox_sql_run(fenced ?
-								  (keep ? STMT_ACK_FENCED_KEEP : STMT_ACK_FENCED_DELETE) :
-								  (keep ? STMT_ACK_KEEP : STMT_ACK_DELETE),
-								  values, nulls);
+
+	/*
+	 * The order check read from the indexes, and the write under the same
+	 * snapshot, as the one statement of the SQL check would have it; the
+	 * command counter advanced first, as SPI does before a statement, so that
+	 * both see what this transaction wrote so far.  On a shard of a
+	 * distributed outbox, whose indexes have the shard's names, the check is
+	 * the SQL one.
+	 */
+	CommandCounterIncrement();
+	snapshot = RegisterSnapshot(GetTransactionSnapshot());
+	unblocked = OidIsValid(shard) ? NULL :
+		outbox_ack_unblocked(DatumGetArrayTypeP(ids),
+							 fenced ? DatumGetArrayTypeP(attempts) : NULL,
+							 fenced, snapshot);
+	if (unblocked != NULL)
+	{
+		values[3] = PointerGetDatum(unblocked);
+		acknowledged = outbox_sql_run_snapshot(fenced ?
+											   (keep ? STMT_ACK_CHECKED_FENCED_KEEP : STMT_ACK_CHECKED_FENCED_DELETE) :
+											   (keep ? STMT_ACK_CHECKED_KEEP : STMT_ACK_CHECKED_DELETE),
+											   values, nulls, snapshot);
+	}
+	else
+		acknowledged = outbox_sql_run_snapshot(fenced ?
+											   (keep ? STMT_ACK_FENCED_KEEP : STMT_ACK_FENCED_DELETE) :
+											   (keep ? STMT_ACK_KEEP : STMT_ACK_DELETE),
+											   values, nulls, snapshot);
+	UnregisterSnapshot(snapshot);
 	outbox_sql_end(&context);
 	return (int32) acknowledged;
 }

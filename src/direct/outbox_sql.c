@@ -154,6 +154,11 @@
  * in the common case, nothing held back, the anti-join below reads an empty
  * list rather than one row per key for each row.  A row without a key
  * meets no blocking row (NULL equals nothing).
+ *
+ * outbox_ack.c reads the same check from the indexes, a descent per key
+ * rather than a rescan of this plan per key, and the ack then runs
+ * ACK_CHECKED_WHERE under the snapshot it read with; these statements are
+ * what runs where it cannot (indexes other than it expects, as at 1.0).
  */
 #define ACK_FENCE(alias) \
 	" AND " alias ".attempts = ($3)[array_position($1, " alias ".id)]"
@@ -184,6 +189,12 @@
 	"      SELECT FROM blocking b" \
 	"      WHERE b.topic = o.topic AND b.key = o.key AND b.id < o.id)"
 #define NO_FENCE(alias) ""
+/*
+ * The rows of $4, the ids of $1 that outbox_ack.c found not held back by
+ * their key, that are leased (and still under the hand-out named).
+ */
+#define ACK_CHECKED_WHERE(fence) \
+	"o.id = ANY ($4) AND o.state = 'leased'" fence("o")
 
 /*
  * A nack: the row (if it is leased, under the hand-out that returned it
@@ -349,6 +360,30 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		ACK_BLOCKING(ACK_FENCE) "UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
 		" WHERE " ACK_WHERE(ACK_FENCE),
 		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
+	},
+
+	/*
+	 * The same, once outbox_ack.c has read the order check from the indexes
+	 * under the snapshot these run with: $4 the ids their key does not hold
+	 * back.
+	 */
+	[STMT_ACK_CHECKED_DELETE] = {
+		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(NO_FENCE),
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
+	},
+	[STMT_ACK_CHECKED_KEEP] = {
+		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
+		" WHERE " ACK_CHECKED_WHERE(NO_FENCE),
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
+	},
+	[STMT_ACK_CHECKED_FENCED_DELETE] = {
+		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(ACK_FENCE),
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
+	},
+	[STMT_ACK_CHECKED_FENCED_KEEP] = {
+		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
+		" WHERE " ACK_CHECKED_WHERE(ACK_FENCE),
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
 	},
 
 	/*
@@ -645,6 +680,26 @@ outbox_sql_run(OutboxStatement statement, Datum *values, const char *nulls)
 	if (guc_nest_level >= 0)
 		AtEOXact_GUC(false, guc_nest_level);
 
+	if (ret < 0)
+		elog(ERROR, "outbox statement %d failed: %s",
+			 (int) statement, SPI_result_code_string(ret));
+	return SPI_processed;
+}
+
+/*
+ * Run one of the statements above under snapshot (registered by the caller)
+ * rather than a new one, as SPI_execute_snapshot does; returns
+ * SPI_processed.  Not for a walk_in_order statement.
+ */
+uint64
+outbox_sql_run_snapshot(OutboxStatement statement, Datum *values, const char *nulls,
+						Snapshot snapshot)
+{
+	int			ret;
+
+	Assert(!statements[statement].walk_in_order);
+	ret = SPI_execute_snapshot(outbox_plan(statement), values, nulls, snapshot,
+							   InvalidSnapshot, false, true, 0);
 	if (ret < 0)
 		elog(ERROR, "outbox statement %d failed: %s",
 			 (int) statement, SPI_result_code_string(ret));

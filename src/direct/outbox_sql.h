@@ -22,6 +22,10 @@ typedef enum OutboxStatement
 	STMT_ACK_KEEP,
 	STMT_ACK_FENCED_DELETE,
 	STMT_ACK_FENCED_KEEP,
+	STMT_ACK_CHECKED_DELETE,
+	STMT_ACK_CHECKED_KEEP,
+	STMT_ACK_CHECKED_FENCED_DELETE,
+	STMT_ACK_CHECKED_FENCED_KEEP,
 	STMT_NACK,
 	STMT_NACK_FENCED,
 	STMT_REQUEUE,
@@ -98,6 +102,8 @@ extern void outbox_sql_end(OutboxSqlContext *context);
 extern SPIPlanPtr outbox_plan(OutboxStatement statement);
 extern uint64 outbox_sql_run(OutboxStatement statement, Datum *values,
 							 const char *nulls);
+extern uint64 outbox_sql_run_snapshot(OutboxStatement statement, Datum *values,
+									 const char *nulls, Snapshot snapshot);
 
 /* A row of outbox_routes, as enqueuers and the publisher see it. */
 typedef struct OutboxRoute

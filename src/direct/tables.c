@@ -26,8 +26,8 @@
  *	  insertion, updates and deletes that give up instead of waiting, index
  *	  maintenance.
  * May call: direct/table_check.h (on first open), compat.h.  Called by
- *	  api/keys.c, api/events.c, direct/outbox_sql.c (the owner) and
- *	  bgw/purge.c (the walk).
+ *	  api/keys.c, api/events.c, direct/outbox_sql.c (the owner),
+ *	  direct/outbox_ack.c (the outbox) and bgw/purge.c (the walk).
  *
  *-------------------------------------------------------------------------
  */
@@ -331,6 +331,20 @@ idem_outbox_owner(void)
 
 	table_close(heap, NoLock);
 	return owner;
+}
+
+/*
+ * The outbox, locked in lockmode until the end of the transaction, once
+ * idem_check_table has seen that it is the one expected: for the reading of
+ * its indexes by the ack's order check (outbox_ack.c).  Not for a table
+ * that Citus distributes, whose shards the ack checks by SQL.
+ */
+Relation
+idem_outbox_open(LOCKMODE lockmode)
+{
+	char		partmethod;
+
+	return open_table(IDEM_TABLE_OUTBOX, lockmode, &partmethod);
 }
 
 /*

@@ -135,6 +135,7 @@ typedef struct ProbeResult
 	uint32		speculative_token;
 } ProbeResult;
 
+extern Relation idem_outbox_open(LOCKMODE lockmode);
 extern Oid	idem_outbox_owner(void);
 extern const ExpectedTable *idem_table_def(IdemTable table);
 extern bool idem_table_distributed(IdemTable table);
