@@ -301,10 +301,11 @@ typedef struct CandidateList
 	uint64		count;
 	uint64		capacity;
 	MemoryContext context;
+	bool		from_shard;		/* rows of a shard: events to convert */
 } CandidateList;
 
 /*
- * A copy of a candidate's row as an idempotency.outbox value, which a
+ * A copy of a shard's candidate row as an idempotency.outbox value, which a
  * route's function takes: a row of a shard (of a distributed outbox) is of
  * the shard's own row type, and its columns are matched by name, since the
  * table may keep dropped columns that its shards, made by Citus from its
@@ -323,8 +324,6 @@ event_as_outbox_row(Datum event)
 	HeapTuple	converted;
 	Datum		copy;
 
-	if (HeapTupleHeaderGetTypeId(header) == outbox_type)
-		return datumCopy(event, false, -1);
 	shard_desc = lookup_rowtype_tupdesc(HeapTupleHeaderGetTypeId(header),
 										HeapTupleHeaderGetTypMod(header));
 	outbox_desc = lookup_rowtype_tupdesc(outbox_type, -1);
@@ -365,8 +364,9 @@ copy_candidates(uint64 count, CandidateList *list)
 		Candidate  *candidate = &list->items[list->count++];
 		bool		isnull;
 
-		candidate->event = event_as_outbox_row(SPI_getbinval(tuple, desc, CANDIDATE_EVENT,
-															 &isnull));
+		candidate->event = SPI_getbinval(tuple, desc, CANDIDATE_EVENT, &isnull);
+		candidate->event = list->from_shard ? event_as_outbox_row(candidate->event) :
+			datumCopy(candidate->event, false, -1);
 		candidate->id = DatumGetInt64(SPI_getbinval(tuple, desc, CANDIDATE_ID, &isnull));
 		candidate->target = candidate_text(tuple, desc, CANDIDATE_TARGET);
 		candidate->destination = candidate_text(tuple, desc, CANDIDATE_DESTINATION);
@@ -495,7 +495,7 @@ outbox_publish_batch(Oid shard, TimestampTz now, int limit, bool careful,
 {
 	OutboxSqlContext context;
 	Datum		values[3];
-	CandidateList list = {NULL, 0, 0, CurrentMemoryContext};
+	CandidateList list = {NULL, 0, 0, CurrentMemoryContext, OidIsValid(shard)};
 
 	*published_count = *failed_count = 0;
 	if (tried != NULL)
@@ -582,7 +582,7 @@ outbox_publish_row(Oid shard, TimestampTz now, int64 id, volatile bool *started,
 {
 	OutboxSqlContext context;
 	Datum		values[3];
-	CandidateList list = {NULL, 0, 0, CurrentMemoryContext};
+	CandidateList list = {NULL, 0, 0, CurrentMemoryContext, OidIsValid(shard)};
 
 	*published_count = *failed_count = 0;
 	*started = false;
