@@ -784,6 +784,20 @@ def main():
             print(f"{label:36} ours {median['ours'][0]:8.0f} tps  floor {median['ref'][0]:8.0f} tps"
                   f"  ratio {ratio:.2f}", flush=True)
 
+        # the batch against its 500 single calls as one consumer sees it:
+        # with 8 clients on a few cores the single calls' round trips cost
+        # only their CPU, the others' work filling their waits
+        if "shapes" in PARTS:
+            print("\n== idem_mark_processed_batch of 500 vs 500 single calls, other shapes"
+                  " (one round, 10 s, no bar)")
+        for label, clients in [] if "shapes" not in PARTS else [("1 client (one consumer)", 1),
+                                                                 ("2 clients", 2)]:
+            cluster.psql("TRUNCATE idempotency.processed_events")
+            median, ratio = compare(cluster, "mark_processed_batch.sql", "mark_processed_500.sql",
+                                    seconds=10, rounds=1, clients=clients)
+            print(f"{label:36} batch {median['ours'][0]:7.0f} tps  single {median['ref'][0]:7.0f} tps"
+                  f"  ratio {ratio:.2f}", flush=True)
+
         pair_tables_autovacuum(cluster, True)
         if "outbox" in PARTS:
             bench_outbox(cluster, summary)
