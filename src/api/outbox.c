@@ -1081,14 +1081,35 @@ acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 	 * command counter advanced first, as SPI does before a statement, so that
 	 * both see what this transaction wrote so far.  On a shard of a
 	 * distributed outbox, whose indexes have the shard's names, the check is
-	 * the SQL one.
+	 * the SQL one.  The rows the check's answer relies on are locked before
+	 * the write (see outbox_ack.c); if one of them is no longer taken, it
+	 * changed since the snapshot (READ COMMITTED), and the check is made
+	 * again with a new one.
 	 */
-	CommandCounterIncrement();
-	snapshot = RegisterSnapshot(GetTransactionSnapshot());
-	unblocked = OidIsValid(shard) ? NULL :
-		outbox_ack_unblocked(DatumGetArrayTypeP(ids),
-							 fenced ? DatumGetArrayTypeP(attempts) : NULL,
-							 fenced, snapshot);
+	for (;;)
+	{
+		ArrayType  *held = NULL;
+
+		CHECK_FOR_INTERRUPTS();
+		CommandCounterIncrement();
+		snapshot = RegisterSnapshot(GetTransactionSnapshot());
+		unblocked = OidIsValid(shard) ? NULL :
+			outbox_ack_unblocked(DatumGetArrayTypeP(ids),
+								 fenced ? DatumGetArrayTypeP(attempts) : NULL,
+								 fenced, snapshot, &held);
+		if (held == NULL)
+			break;
+		values[3] = PointerGetDatum(held);
+		if (outbox_sql_run(fenced ? STMT_ACK_FENCED_HOLD : STMT_ACK_HOLD, values, nulls) ==
+			(uint64) ArrayGetNItems(ARR_NDIM(held), ARR_DIMS(held)))
+			break;
+		/* under REPEATABLE READ, the lock has reported a change already */
+		if (IsolationUsesXactSnapshot())
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+					 errmsg("could not serialize access due to concurrent update")));
+		UnregisterSnapshot(snapshot);
+	}
 	if (unblocked != NULL)
 	{
 		values[3] = PointerGetDatum(unblocked);

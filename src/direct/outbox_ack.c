@@ -22,7 +22,14 @@
  *
  * The caller runs the write (outbox_sql.c's ACK_CHECKED_*) under the same
  * snapshot, which still tests each row's state and fence itself, so that
- * what this decides is only which rows are held back by their key.  When the
+ * what this decides is only which rows are held back by their key.  That
+ * answer relies on the taken rows that come before another row of their key
+ * staying taken until the write: under READ COMMITTED the write tests the
+ * latest version of each row it writes, but not of the rows that let it
+ * through, so a relay that re-leased (or a nack that put back) the first of
+ * a key's rows since the snapshot would see the second acknowledged behind
+ * it.  So this also says which rows those are, for the caller to lock
+ * before the write (and to look again if one changed).  When the
  * indexes are not the ones this reads (a database at 1.0 whose predicates
  * name state, an index a user altered), it says so and the caller runs the
  * whole check in SQL instead.
@@ -64,6 +71,7 @@ typedef struct AckRow
 	text	   *topic;
 	text	   *key;			/* NULL: no key */
 	int64		blocker;		/* its key's first blocking row, or 0 */
+	bool		taken;			/* leased, and under the hand-out named */
 } AckRow;
 
 /* An id of the ack and its position in the array, for the fence. */
@@ -385,10 +393,14 @@ key_blocker(AckCheck *check, IndexScanDesc scan, text *topic, text *key,
  * int8[] in the caller's memory context: every id of a row without a key, or
  * that comes no later than its key's first blocking row.  NULL if the
  * indexes are not the ones this reads, or an id names rows of two topics
- * that get different answers: then the caller checks in SQL.
+ * that get different answers: then the caller checks in SQL.  *held is set
+ * to the ids of the taken rows that a later row of their key in the answer
+ * relies on, as an int8[] (NULL if there are none): the answer holds only
+ * while they are still taken when the write runs.
  */
 ArrayType *
-outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot snapshot)
+outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot snapshot,
+					 ArrayType **held)
 {
 	static const AttrNumber id_columns[] = {Anum_outbox_id};
 	static const AttrNumber ready_columns[] = {Anum_outbox_topic, Anum_outbox_id};
@@ -407,6 +419,9 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 	int			nrows = 0;
 	Datum	   *unblocked;
 	int			nunblocked = 0;
+	Datum	   *relied_on;
+	int			nrelied_on = 0;
+	bool		later_taken = false;
 	bool		usable = true;
 	ArrayType  *result = NULL;
 
@@ -468,6 +483,7 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 					rows[nrows].topic = DatumGetTextPCopy(slot_getattr(check.slot, Anum_outbox_topic, &isnull));
 					key_value = slot_getattr(check.slot, Anum_outbox_key, &isnull);
 					rows[nrows].key = isnull ? NULL : DatumGetTextPCopy(key_value);
+					rows[nrows].taken = slot_taken(&check, check.slot, check.ids[i].id);
 					rows[nrows++].blocker = 0;
 				}
 			}
@@ -521,6 +537,26 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 		for (int i = 0; usable && i < nrows; i++)
 			if (rows[i].blocker == 0 || rows[i].id <= rows[i].blocker)
 				unblocked[nunblocked++] = Int64GetDatum(rows[i].id);
+
+		/*
+		 * The taken rows let through that a later taken row of their key let
+		 * through relies on: each key's, walked from its newest (the keyed
+		 * rows are sorted by topic, key, then id).
+		 */
+		relied_on = palloc(sizeof(Datum) * Max(nrows, 1));
+		for (int i = nrows - 1; usable && i >= 0 && rows[i].key != NULL; i--)
+		{
+			bool		let_through = rows[i].blocker == 0 || rows[i].id <= rows[i].blocker;
+
+			if (i == nrows - 1 || compare_text(rows[i + 1].topic, rows[i].topic) != 0 ||
+				compare_text(rows[i + 1].key, rows[i].key) != 0)
+				later_taken = false;
+			if (!rows[i].taken || !let_through)
+				continue;
+			if (later_taken)
+				relied_on[nrelied_on++] = Int64GetDatum(rows[i].id);
+			later_taken = true;
+		}
 		ExecDropSingleTupleTableSlot(check.slot);
 	}
 	if (by_id != NULL)
@@ -532,9 +568,15 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 	table_close(check.heap, NoLock);
 
 	MemoryContextSwitchTo(caller);
+	*held = NULL;
 	if (usable)
+	{
 		result = construct_array(unblocked, nunblocked, INT8OID, sizeof(int64),
 								 FLOAT8PASSBYVAL, TYPALIGN_DOUBLE);
+		if (nrelied_on > 0)
+			*held = construct_array(relied_on, nrelied_on, INT8OID, sizeof(int64),
+									FLOAT8PASSBYVAL, TYPALIGN_DOUBLE);
+	}
 	MemoryContextDelete(work);
 	return result;
 }

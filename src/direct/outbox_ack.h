@@ -13,6 +13,6 @@
 #include "utils/snapshot.h"
 
 extern ArrayType *outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced,
-									   Snapshot snapshot);
+									   Snapshot snapshot, ArrayType **held);
 
 #endif							/* IDEMPOTENCY_OUTBOX_ACK_H */

@@ -387,6 +387,23 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	},
 
 	/*
+	 * Lock the rows of $4 (those outbox_ack.c's answer relies on) that are
+	 * still leased (under the hand-out named), in id order, before the
+	 * write: the caller compares how many with $4's and, if one changed
+	 * since its snapshot, looks again.
+	 */
+	[STMT_ACK_HOLD] = {
+		"SELECT o.id FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(NO_FENCE)
+		" ORDER BY o.id FOR UPDATE OF o",
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
+	},
+	[STMT_ACK_FENCED_HOLD] = {
+		"SELECT o.id FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(ACK_FENCE)
+		" ORDER BY o.id FOR UPDATE OF o",
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
+	},
+
+	/*
 	 * $1 id, $2 error, $3 now, $4 max attempts, $5 backoff min, $6 backoff
 	 * max, $7 attempt (the fenced form).
 	 */
