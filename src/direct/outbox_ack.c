@@ -47,6 +47,7 @@
 #include "access/relscan.h"
 #include "access/table.h"
 #include "catalog/pg_am.h"
+#include "catalog/pg_class.h"
 #include "catalog/pg_collation.h"
 #include "catalog/pg_opfamily.h"
 #include "catalog/pg_type.h"
@@ -155,7 +156,8 @@ open_checked_index(Relation heap, const char *name, int ncolumns,
 	List	   *rows = NIL;
 	bool		usable;
 
-	if (!OidIsValid(indexid))
+	/* a superuser may have put a relation of another kind under the name */
+	if (!OidIsValid(indexid) || get_rel_relkind(indexid) != RELKIND_INDEX)
 		return NULL;
 	index = index_open(indexid, AccessShareLock);
 	usable = index->rd_rel->relam == BTREE_AM_OID &&
