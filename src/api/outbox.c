@@ -1119,10 +1119,33 @@ acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 											   values, nulls, snapshot);
 	}
 	else
-		acknowledged = outbox_sql_run_snapshot(fenced ?
-											   (keep ? STMT_ACK_FENCED_KEEP : STMT_ACK_FENCED_DELETE) :
-											   (keep ? STMT_ACK_KEEP : STMT_ACK_DELETE),
+	{
+		/*
+		 * The SQL check relies on every row named: those still taken are
+		 * locked first, and then the check is made of them alone, unfenced
+		 * (each is under the hand-out named), under a snapshot taken after.
+		 */
+		uint64		nheld;
+		Datum	   *held;
+
+		values[3] = ids;
+		nheld = outbox_sql_run(fenced ? STMT_ACK_FENCED_HOLD : STMT_ACK_HOLD, values, nulls);
+		held = palloc(sizeof(Datum) * Max(nheld, 1));
+		for (uint64 i = 0; i < nheld; i++)
+		{
+			bool		isnull;
+
+			held[i] = SPI_getbinval(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1, &isnull);
+		}
+		values[0] = PointerGetDatum(construct_array(held, (int) nheld, INT8OID, sizeof(int64),
+													FLOAT8PASSBYVAL, TYPALIGN_DOUBLE));
+		nulls[2] = 'n';
+		UnregisterSnapshot(snapshot);
+		CommandCounterIncrement();
+		snapshot = RegisterSnapshot(GetTransactionSnapshot());
+		acknowledged = outbox_sql_run_snapshot(keep ? STMT_ACK_KEEP : STMT_ACK_DELETE,
 											   values, nulls, snapshot);
+	}
 	UnregisterSnapshot(snapshot);
 	outbox_sql_end(&context);
 	return (int32) acknowledged;
