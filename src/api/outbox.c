@@ -1066,6 +1066,7 @@ acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 	bool		keep = idem_outbox_retention_s != 0;
 	Snapshot	snapshot;
 	ArrayType  *unblocked;
+	AckChains	chains;
 
 	values[0] = ids;
 	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
@@ -1081,35 +1082,16 @@ acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 	 * command counter advanced first, as SPI does before a statement, so that
 	 * both see what this transaction wrote so far.  On a shard of a
 	 * distributed outbox, whose indexes have the shard's names, the check is
-	 * the SQL one.  The rows the check's answer relies on are locked before
-	 * the write (see outbox_ack.c); if one of them is no longer taken, it
-	 * changed since the snapshot (READ COMMITTED), and the check is made
-	 * again with a new one.
+	 * the SQL one.  A row the check relied on that changed since the
+	 * snapshot (READ COMMITTED) may leave a gap in what the write took of a
+	 * key: that is refused as REPEATABLE READ refuses the change itself.
 	 */
-	for (;;)
-	{
-		ArrayType  *held = NULL;
-
-		CHECK_FOR_INTERRUPTS();
-		CommandCounterIncrement();
-		snapshot = RegisterSnapshot(GetTransactionSnapshot());
-		unblocked = OidIsValid(shard) ? NULL :
-			outbox_ack_unblocked(DatumGetArrayTypeP(ids),
-								 fenced ? DatumGetArrayTypeP(attempts) : NULL,
-								 fenced, snapshot, &held);
-		if (held == NULL)
-			break;
-		values[3] = PointerGetDatum(held);
-		if (outbox_sql_run(fenced ? STMT_ACK_FENCED_HOLD : STMT_ACK_HOLD, values, nulls) ==
-			(uint64) ArrayGetNItems(ARR_NDIM(held), ARR_DIMS(held)))
-			break;
-		/* under REPEATABLE READ, the lock has reported a change already */
-		if (IsolationUsesXactSnapshot())
-			ereport(ERROR,
-					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-					 errmsg("could not serialize access due to concurrent update")));
-		UnregisterSnapshot(snapshot);
-	}
+	CommandCounterIncrement();
+	snapshot = RegisterSnapshot(GetTransactionSnapshot());
+	unblocked = OidIsValid(shard) ? NULL :
+		outbox_ack_unblocked(DatumGetArrayTypeP(ids),
+							 fenced ? DatumGetArrayTypeP(attempts) : NULL,
+							 fenced, snapshot, &chains);
 	if (unblocked != NULL)
 	{
 		values[3] = PointerGetDatum(unblocked);
@@ -1117,6 +1099,12 @@ acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 											   (keep ? STMT_ACK_CHECKED_FENCED_KEEP : STMT_ACK_CHECKED_FENCED_DELETE) :
 											   (keep ? STMT_ACK_CHECKED_KEEP : STMT_ACK_CHECKED_DELETE),
 											   values, nulls, snapshot);
+		if (!outbox_ack_written_in_order(&chains, SPI_tuptable, acknowledged))
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+					 errmsg("could not serialize access due to concurrent update"),
+					 errdetail("A row named by the acknowledgement was leased again or nacked while it ran, and a later row of its key was not to be acknowledged before it."),
+					 errhint("Retry the acknowledgement.")));
 	}
 	else
 	{
