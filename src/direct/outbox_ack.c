@@ -32,7 +32,8 @@
  * first (AckChains), and the caller checks that the write took a prefix of
  * each (outbox_ack_written_in_order), as REPEATABLE READ's write would have
  * failed if one of them had changed.  Locking them before the write instead
- * made a drain of one key, 100 rows a hand-out, half as fast.  When the
+ * would cost every acknowledgement a row lock (and its WAL record) for each
+ * row of a key's hand-out but the last, for a race that is rare.  When the
  * indexes are not the ones this reads (a database at 1.0 whose predicates
  * name state, an index a user altered), it says so and the caller runs the
  * whole check in SQL instead.
