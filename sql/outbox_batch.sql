@@ -145,6 +145,19 @@ SELECT idem_outbox_nack((:'g_ids'::bigint[])[2], 'again') AS nacked_unfenced;
 SELECT array_agg(state ORDER BY id) AS states, array_agg(attempts ORDER BY id) AS attempts
 FROM outbox WHERE topic = 'nacks';
 
+-- A relation of another kind under the name of an index the check reads (a
+-- superuser's doing): the check is made in SQL, with the same answers.
+TRUNCATE outbox;
+SELECT array_agg(id) AS r_ids FROM idem_outbox_enqueue_batch('not-an-index',
+	array_fill('{}'::jsonb, ARRAY[2]), ARRAY['r', 'r']) AS r(id) \gset
+SELECT count(*) AS handed_out FROM idem_outbox_fetch('not-an-index', 10, '1 hour', 2);
+BEGIN;
+DROP INDEX idempotency.outbox_key_order;
+CREATE TABLE idempotency.outbox_key_order ();
+SELECT idem_outbox_ack(ARRAY[(:'r_ids'::bigint[])[2]], ARRAY[1]) AS later_alone;
+SELECT idem_outbox_ack(:'r_ids'::bigint[], ARRAY[1, 1]) AS both_named;
+ROLLBACK;
+
 -- Bad arguments of the new forms.
 SELECT idem_outbox_fetch('orders', 10, '1 hour', 0);
 \echo :SQLSTATE

@@ -1066,6 +1066,7 @@ acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 	bool		keep = idem_outbox_retention_s != 0;
 	Snapshot	snapshot;
 	ArrayType  *unblocked;
+	AckChains	chains;
 
 	values[0] = ids;
 	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
@@ -1081,14 +1082,16 @@ acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 	 * command counter advanced first, as SPI does before a statement, so that
 	 * both see what this transaction wrote so far.  On a shard of a
 	 * distributed outbox, whose indexes have the shard's names, the check is
-	 * the SQL one.
+	 * the SQL one.  A row the check relied on that changed since the
+	 * snapshot (READ COMMITTED) may leave a gap in what the write took of a
+	 * key: that is refused as REPEATABLE READ refuses the change itself.
 	 */
 	CommandCounterIncrement();
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());
 	unblocked = OidIsValid(shard) ? NULL :
 		outbox_ack_unblocked(DatumGetArrayTypeP(ids),
 							 fenced ? DatumGetArrayTypeP(attempts) : NULL,
-							 fenced, snapshot);
+							 fenced, snapshot, &chains);
 	if (unblocked != NULL)
 	{
 		values[3] = PointerGetDatum(unblocked);
@@ -1096,12 +1099,41 @@ acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 											   (keep ? STMT_ACK_CHECKED_FENCED_KEEP : STMT_ACK_CHECKED_FENCED_DELETE) :
 											   (keep ? STMT_ACK_CHECKED_KEEP : STMT_ACK_CHECKED_DELETE),
 											   values, nulls, snapshot);
+		if (!outbox_ack_written_in_order(&chains, SPI_tuptable, acknowledged))
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+					 errmsg("could not serialize access due to concurrent update"),
+					 errdetail("A row named by the acknowledgement was leased again or nacked while it ran, and a later row of its key was not to be acknowledged before it."),
+					 errhint("Retry the acknowledgement.")));
 	}
 	else
-		acknowledged = outbox_sql_run_snapshot(fenced ?
-											   (keep ? STMT_ACK_FENCED_KEEP : STMT_ACK_FENCED_DELETE) :
-											   (keep ? STMT_ACK_KEEP : STMT_ACK_DELETE),
+	{
+		/*
+		 * The SQL check relies on every row named: those still taken are
+		 * locked first, and then the check is made of them alone, unfenced
+		 * (each is under the hand-out named), under a snapshot taken after.
+		 */
+		uint64		nheld;
+		Datum	   *held;
+
+		values[3] = ids;
+		nheld = outbox_sql_run(fenced ? STMT_ACK_FENCED_HOLD : STMT_ACK_HOLD, values, nulls);
+		held = palloc(sizeof(Datum) * Max(nheld, 1));
+		for (uint64 i = 0; i < nheld; i++)
+		{
+			bool		isnull;
+
+			held[i] = SPI_getbinval(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1, &isnull);
+		}
+		values[0] = PointerGetDatum(construct_array(held, (int) nheld, INT8OID, sizeof(int64),
+													FLOAT8PASSBYVAL, TYPALIGN_DOUBLE));
+		nulls[2] = 'n';
+		UnregisterSnapshot(snapshot);
+		CommandCounterIncrement();
+		snapshot = RegisterSnapshot(GetTransactionSnapshot());
+		acknowledged = outbox_sql_run_snapshot(keep ? STMT_ACK_KEEP : STMT_ACK_DELETE,
 											   values, nulls, snapshot);
+	}
 	UnregisterSnapshot(snapshot);
 	outbox_sql_end(&context);
 	return (int32) acknowledged;

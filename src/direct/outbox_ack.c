@@ -22,7 +22,18 @@
  *
  * The caller runs the write (outbox_sql.c's ACK_CHECKED_*) under the same
  * snapshot, which still tests each row's state and fence itself, so that
- * what this decides is only which rows are held back by their key.  When the
+ * what this decides is only which rows are held back by their key.  That
+ * answer relies on the taken rows that come before another row of their key
+ * staying taken until the write: under READ COMMITTED the write tests the
+ * latest version of each row it writes, but not of the rows that let it
+ * through, so a relay that re-leased (or a nack that put back) the first of
+ * a key's rows since the snapshot would see the second acknowledged behind
+ * it.  So this also gives each key's taken rows that it lets through, oldest
+ * first (AckChains), and the caller checks that the write took a prefix of
+ * each (outbox_ack_written_in_order), as REPEATABLE READ's write would have
+ * failed if one of them had changed.  Locking them before the write instead
+ * would cost every acknowledgement a row lock (and its WAL record) for each
+ * row of a key's hand-out but the last, for a race that is rare.  When the
  * indexes are not the ones this reads (a database at 1.0 whose predicates
  * name state, an index a user altered), it says so and the caller runs the
  * whole check in SQL instead.
@@ -40,9 +51,11 @@
 #include "access/relscan.h"
 #include "access/table.h"
 #include "catalog/pg_am.h"
+#include "catalog/pg_class.h"
 #include "catalog/pg_collation.h"
 #include "catalog/pg_opfamily.h"
 #include "catalog/pg_type.h"
+#include "executor/spi.h"
 #include "miscadmin.h"
 #include "nodes/makefuncs.h"
 #include "optimizer/optimizer.h"
@@ -64,6 +77,7 @@ typedef struct AckRow
 	text	   *topic;
 	text	   *key;			/* NULL: no key */
 	int64		blocker;		/* its key's first blocking row, or 0 */
+	bool		taken;			/* leased, and under the hand-out named */
 } AckRow;
 
 /* An id of the ack and its position in the array, for the fence. */
@@ -147,7 +161,8 @@ open_checked_index(Relation heap, const char *name, int ncolumns,
 	List	   *rows = NIL;
 	bool		usable;
 
-	if (!OidIsValid(indexid))
+	/* a superuser may have put a relation of another kind under the name */
+	if (!OidIsValid(indexid) || get_rel_relkind(indexid) != RELKIND_INDEX)
 		return NULL;
 	index = index_open(indexid, AccessShareLock);
 	usable = index->rd_rel->relam == BTREE_AM_OID &&
@@ -385,10 +400,13 @@ key_blocker(AckCheck *check, IndexScanDesc scan, text *topic, text *key,
  * int8[] in the caller's memory context: every id of a row without a key, or
  * that comes no later than its key's first blocking row.  NULL if the
  * indexes are not the ones this reads, or an id names rows of two topics
- * that get different answers: then the caller checks in SQL.
+ * that get different answers: then the caller checks in SQL.  *chains is
+ * set to each key's taken rows that the answer lets through, oldest first,
+ * of the keys that have two or more, in the caller's memory context.
  */
 ArrayType *
-outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot snapshot)
+outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot snapshot,
+					 AckChains *chains)
 {
 	static const AttrNumber id_columns[] = {Anum_outbox_id};
 	static const AttrNumber ready_columns[] = {Anum_outbox_topic, Anum_outbox_id};
@@ -407,6 +425,9 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 	int			nrows = 0;
 	Datum	   *unblocked;
 	int			nunblocked = 0;
+	int64	   *chain_ids = NULL;
+	bool	   *chain_starts = NULL;
+	int			nchain = 0;
 	bool		usable = true;
 	ArrayType  *result = NULL;
 
@@ -468,6 +489,7 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 					rows[nrows].topic = DatumGetTextPCopy(slot_getattr(check.slot, Anum_outbox_topic, &isnull));
 					key_value = slot_getattr(check.slot, Anum_outbox_key, &isnull);
 					rows[nrows].key = isnull ? NULL : DatumGetTextPCopy(key_value);
+					rows[nrows].taken = slot_taken(&check, check.slot, check.ids[i].id);
 					rows[nrows++].blocker = 0;
 				}
 			}
@@ -521,6 +543,34 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 		for (int i = 0; usable && i < nrows; i++)
 			if (rows[i].blocker == 0 || rows[i].id <= rows[i].blocker)
 				unblocked[nunblocked++] = Int64GetDatum(rows[i].id);
+
+		/*
+		 * Each key's taken rows let through, oldest first, for the keys
+		 * that have two or more (the keyed rows are sorted by topic, key,
+		 * then id).
+		 */
+		chain_ids = palloc(sizeof(int64) * Max(nrows, 1));
+		chain_starts = palloc(sizeof(bool) * Max(nrows, 1));
+		for (int first = 0, last; usable && first < nrows; first = last + 1)
+		{
+			int			start = nchain;
+
+			last = first;
+			if (rows[first].key == NULL)
+				continue;
+			while (last + 1 < nrows &&
+				   compare_text(rows[last + 1].topic, rows[first].topic) == 0 &&
+				   compare_text(rows[last + 1].key, rows[first].key) == 0)
+				last++;
+			for (int i = first; i <= last; i++)
+				if (rows[i].taken && (rows[i].blocker == 0 || rows[i].id <= rows[i].blocker))
+				{
+					chain_starts[nchain] = nchain == start;
+					chain_ids[nchain++] = rows[i].id;
+				}
+			if (nchain - start < 2)
+				nchain = start;
+		}
 		ExecDropSingleTupleTableSlot(check.slot);
 	}
 	if (by_id != NULL)
@@ -532,9 +582,66 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 	table_close(check.heap, NoLock);
 
 	MemoryContextSwitchTo(caller);
+	chains->nids = 0;
 	if (usable)
+	{
 		result = construct_array(unblocked, nunblocked, INT8OID, sizeof(int64),
 								 FLOAT8PASSBYVAL, TYPALIGN_DOUBLE);
+		chains->nids = nchain;
+		chains->ids = palloc(sizeof(int64) * Max(nchain, 1));
+		chains->starts = palloc(sizeof(bool) * Max(nchain, 1));
+		if (nchain > 0)
+		{
+			memcpy(chains->ids, chain_ids, sizeof(int64) * nchain);
+			memcpy(chains->starts, chain_starts, sizeof(bool) * nchain);
+		}
+	}
 	MemoryContextDelete(work);
 	return result;
+}
+
+static int
+compare_int64(const void *a, const void *b)
+{
+	int64		x = *(const int64 *) a;
+	int64		y = *(const int64 *) b;
+
+	return x < y ? -1 : x > y ? 1 : 0;
+}
+
+/*
+ * Whether the write took a prefix of each chain: the written rows' ids are
+ * the first column of written's nwritten rows.  If it left out a row of a
+ * key (changed since the snapshot) and took a later one, it acknowledged
+ * that one ahead of an earlier row of its key.
+ */
+bool
+outbox_ack_written_in_order(const AckChains *chains, SPITupleTable *written, uint64 nwritten)
+{
+	int64	   *ids;
+	bool		in_order = true;
+	bool		gap = false;
+
+	if (chains->nids == 0)
+		return true;
+	ids = palloc(sizeof(int64) * Max(nwritten, 1));
+	for (uint64 i = 0; i < nwritten; i++)
+	{
+		bool		isnull;
+
+		ids[i] = DatumGetInt64(SPI_getbinval(written->vals[i], written->tupdesc, 1, &isnull));
+	}
+	qsort(ids, nwritten, sizeof(int64), compare_int64);
+	for (int i = 0; in_order && i < chains->nids; i++)
+	{
+		bool		taken = bsearch(&chains->ids[i], ids, nwritten, sizeof(int64),
+									compare_int64) != NULL;
+
+		if (chains->starts[i])
+			gap = false;
+		in_order = !(gap && taken);
+		gap = gap || !taken;
+	}
+	pfree(ids);
+	return in_order;
 }

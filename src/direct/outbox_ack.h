@@ -9,10 +9,24 @@
 #ifndef IDEMPOTENCY_OUTBOX_ACK_H
 #define IDEMPOTENCY_OUTBOX_ACK_H
 
+#include "executor/spi.h"
 #include "utils/array.h"
 #include "utils/snapshot.h"
 
+/*
+ * Each key's taken rows that the order check lets through, oldest first,
+ * for the keys with two or more: the write must take a prefix of each.
+ */
+typedef struct AckChains
+{
+	int			nids;
+	int64	   *ids;
+	bool	   *starts;			/* ids[i] is its key's first */
+} AckChains;
+
 extern ArrayType *outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced,
-									   Snapshot snapshot);
+									   Snapshot snapshot, AckChains *chains);
+extern bool outbox_ack_written_in_order(const AckChains *chains, SPITupleTable *written,
+										uint64 nwritten);
 
 #endif							/* IDEMPOTENCY_OUTBOX_ACK_H */

@@ -365,24 +365,40 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	/*
 	 * The same, once outbox_ack.c has read the order check from the indexes
 	 * under the snapshot these run with: $4 the ids their key does not hold
-	 * back.
+	 * back; the ids written, for outbox_ack_written_in_order.
 	 */
 	[STMT_ACK_CHECKED_DELETE] = {
-		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(NO_FENCE),
+		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(NO_FENCE) " RETURNING o.id",
 		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
 	},
 	[STMT_ACK_CHECKED_KEEP] = {
 		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
-		" WHERE " ACK_CHECKED_WHERE(NO_FENCE),
+		" WHERE " ACK_CHECKED_WHERE(NO_FENCE) " RETURNING o.id",
 		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
 	},
 	[STMT_ACK_CHECKED_FENCED_DELETE] = {
-		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(ACK_FENCE),
+		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(ACK_FENCE) " RETURNING o.id",
 		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
 	},
 	[STMT_ACK_CHECKED_FENCED_KEEP] = {
 		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
-		" WHERE " ACK_CHECKED_WHERE(ACK_FENCE),
+		" WHERE " ACK_CHECKED_WHERE(ACK_FENCE) " RETURNING o.id",
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
+	},
+
+	/*
+	 * Lock the rows of $4 that are still leased (under the hand-out named),
+	 * in id order, and say which: before the SQL check, which then takes
+	 * those alone (see acknowledge_on).
+	 */
+	[STMT_ACK_HOLD] = {
+		"SELECT o.id FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(NO_FENCE)
+		" ORDER BY o.id FOR UPDATE OF o",
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
+	},
+	[STMT_ACK_FENCED_HOLD] = {
+		"SELECT o.id FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(ACK_FENCE)
+		" ORDER BY o.id FOR UPDATE OF o",
 		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
 	},
 
