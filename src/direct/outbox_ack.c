@@ -47,6 +47,7 @@
 #include "postgres.h"
 
 #include "access/genam.h"
+#include "access/htup_details.h"
 #include "access/nbtree.h"
 #include "access/relscan.h"
 #include "access/table.h"
@@ -65,6 +66,7 @@
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/rel.h"
+#include "utils/snapmgr.h"
 
 #include "compat.h"
 #include "direct/outbox_ack.h"
@@ -146,11 +148,26 @@ compare_ack_rows(const void *a, const void *b)
 }
 
 /*
+ * Whether the index is too new for this transaction's snapshots, as the
+ * planner tells: built over HOT chains broken at the time (indcheckxmin),
+ * it may lack the entries an older snapshot needs, until every transaction
+ * older than its pg_index row is gone.
+ */
+static bool
+index_too_new(Relation index)
+{
+	return index->rd_index->indcheckxmin &&
+		!TransactionIdPrecedes(HeapTupleHeaderGetXmin(index->rd_indextuple->t_data),
+							   TransactionXmin);
+}
+
+/*
  * The index of the outbox called name, if it is what the check reads: a
- * valid btree on exactly these leading columns, ascending, in the default
- * operator families ("C" for text, as the table's columns are), with no
- * expression, and holding every row with published_at null (and, if
- * keyed, a key), which its predicate must imply.  NULL otherwise.
+ * valid btree, not too new for the snapshot, on exactly these leading
+ * columns, ascending, in the default operator families ("C" for text, as
+ * the table's columns are), with no expression, and holding every row with
+ * published_at null (and, if keyed, a key), which its predicate must imply.
+ * NULL otherwise.
  */
 static Relation
 open_checked_index(Relation heap, const char *name, int ncolumns,
@@ -169,6 +186,7 @@ open_checked_index(Relation heap, const char *name, int ncolumns,
 		index->rd_index->indrelid == RelationGetRelid(heap) &&
 		index->rd_index->indisvalid && index->rd_index->indisready &&
 		index->rd_index->indislive &&
+		!index_too_new(index) &&
 		IndexRelationGetNumberOfKeyAttributes(index) >= ncolumns &&
 		RelationGetIndexExpressions(index) == NIL;
 	for (int i = 0; usable && i < ncolumns; i++)
