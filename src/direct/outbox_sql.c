@@ -30,6 +30,7 @@
  */
 #include "postgres.h"
 
+#include "access/xact.h"
 #include "catalog/namespace.h"
 #include "catalog/pg_type.h"
 #include "executor/spi.h"
@@ -505,6 +506,75 @@ static HTAB *shard_plans;
 static ShardPlans *current_shard;
 
 /*
+ * For each context begun and not ended, innermost last: where the
+ * statements ran before it, and the (sub)transaction it was begun in.  A
+ * context is begun inside another's when a route's function (or a trigger)
+ * calls the pull API: if the inner one fails, and a subtransaction catches
+ * the error (the function's EXCEPTION block, the careful publishing's), its
+ * outbox_sql_end never runs, and the subtransaction's abort takes the
+ * statements back where they ran before the first context it began; else
+ * the outer one's next statements (a batch's published mark) would run on
+ * the inner one's shard.
+ */
+typedef struct BegunContext
+{
+	int			nest_level;
+	ShardPlans *outer_shard;
+} BegunContext;
+
+static BegunContext *begun;
+static int	nbegun;
+static int	begun_capacity;
+
+static void
+forget_begun_on_abort(XactEvent event, void *arg)
+{
+	if (event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT)
+	{
+		nbegun = 0;
+		current_shard = NULL;
+	}
+}
+
+static void
+forget_begun_on_subabort(SubXactEvent event, SubTransactionId subid,
+						 SubTransactionId parent, void *arg)
+{
+	/* the contexts begun in the subtransaction being aborted, or deeper */
+	if (event == SUBXACT_EVENT_ABORT_SUB)
+		while (nbegun > 0 && begun[nbegun - 1].nest_level >= GetCurrentTransactionNestLevel())
+			current_shard = begun[--nbegun].outer_shard;
+}
+
+/* Note a context begun, for the aborts above. */
+static void
+push_begun(void)
+{
+	if (begun == NULL)
+	{
+		begun_capacity = 8;
+		begun = MemoryContextAlloc(TopMemoryContext, sizeof(BegunContext) * begun_capacity);
+		RegisterXactCallback(forget_begun_on_abort, NULL);
+		RegisterSubXactCallback(forget_begun_on_subabort, NULL);
+	}
+	else if (nbegun >= begun_capacity)
+	{
+		begun_capacity *= 2;
+		begun = repalloc(begun, sizeof(BegunContext) * begun_capacity);
+	}
+	begun[nbegun].nest_level = GetCurrentTransactionNestLevel();
+	begun[nbegun++].outer_shard = current_shard;
+}
+
+/* Note the innermost context ended: the statements run where they ran before it. */
+static void
+pop_begun(void)
+{
+	Assert(nbegun > 0);
+	current_shard = begun[--nbegun].outer_shard;
+}
+
+/*
  * The plans of shard, under its current name, named name; those made under
  * another name are freed.
  */
@@ -600,7 +670,7 @@ outbox_sql_begin_on(OutboxSqlContext *context, Oid shard)
 {
 	Oid			owner = idem_outbox_owner();
 
-	context->outer_shard = current_shard;
+	push_begun();
 	current_shard = NULL;
 	idem_run_as_begin(&context->run_as, owner, SECURITY_LOCAL_USERID_CHANGE);
 	if (OidIsValid(shard))
@@ -613,7 +683,7 @@ outbox_sql_begin_on(OutboxSqlContext *context, Oid shard)
 		{
 			/* moved away: its old table may still be here, for Citus to drop */
 			idem_run_as_end(&context->run_as, false);
-			current_shard = context->outer_shard;
+			pop_begun();
 			return false;
 		}
 		current_shard = plans_of_shard(shard, name);
@@ -629,7 +699,7 @@ outbox_sql_end(OutboxSqlContext *context)
 	SPI_finish();
 	idem_run_as_end(&context->run_as, true);
 	/* a route's function may have run statements of its own meanwhile */
-	current_shard = context->outer_shard;
+	pop_begun();
 }
 
 /* The plan of one of the statements above, prepared on first use. */
