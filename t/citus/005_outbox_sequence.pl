@@ -52,6 +52,15 @@ is($failed_first + $failed_second, 0, 'both transactions commit') or diag($error
 is($c->safe_psql('postgres', qq{
 	SELECT string_agg(payload->>'n', ',' ORDER BY id) FROM idempotency.outbox
 	WHERE topic = '$topic'}), '0,2,1', "the topic's new ids come after its last one");
+
+# a batch into the topic, with the node's sequence behind again: its ids
+# grow from the first, which comes after the topic's last
+$w1->safe_psql('postgres', q{SELECT setval('idempotency.outbox_id_seq', 1)});
+$c->safe_psql('postgres', qq{SELECT count(*) FROM idempotency.idem_outbox_enqueue_batch('$topic',
+	ARRAY['{"n": 3}', '{"n": 4}', '{"n": 5}']::jsonb[])});
+is($c->safe_psql('postgres', qq{
+	SELECT string_agg(payload->>'n', ',' ORDER BY id) FROM idempotency.outbox
+	WHERE topic = '$topic'}), '0,2,1,3,4,5', "and so do a batch's");
 is($c->safe_psql('postgres', q{SELECT count(DISTINCT id) = count(*) FROM idempotency.outbox}),
 	't', 'every id is unique');
 
