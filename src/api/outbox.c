@@ -448,6 +448,8 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 															floor));
 			bool		isnull = false;
 
+			/* the next rows' ids come after this one's: no floor to look at */
+			floor = PG_INT64_MIN;
 			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, &id, &isnull);
 		}
 		idem_insert_many(&rel, row_values, row_nulls, nrows);

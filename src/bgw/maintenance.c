@@ -37,6 +37,8 @@ maintenance_cursor_init(MaintenanceCursor *cursor)
 	cursor->publish_way = cursor->last_publish_way = PUBLISH_FAST;
 	cursor->outbox_shard = InvalidOid;
 	cursor->outbox_part = 0;
+	cursor->outbox_shards = NULL;
+	cursor->noutbox_shards = -1;
 	/* the caller's context outlives the batches: the worker's is TopMemoryContext */
 	cursor->alone.ids = NULL;
 	cursor->alone.count = cursor->alone.capacity = 0;

@@ -93,6 +93,9 @@ typedef struct MaintenanceCursor
 	/* a distributed outbox: the shard of the batch, and its place among this node's */
 	Oid			outbox_shard;
 	int			outbox_part;
+	/* ... this node's shards, read once a round (-1: at the next batch), in alone.context */
+	Oid		   *outbox_shards;
+	int			noutbox_shards;
 } MaintenanceCursor;
 
 /* Rows per careful publish batch: each takes a subtransaction. */

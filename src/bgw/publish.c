@@ -633,12 +633,15 @@ outbox_record_failure(Oid shard, TimestampTz now, int64 id, const char *error)
  * turn, each until it has nothing ready; a batch that failed goes on
  * carefully, then row by row, on its shard.  False once every shard has had
  * its turn: the next round starts again at the first.
+ *
+ * The shards are read from Citus's catalogs once a round, not for each
+ * batch: a shard that moves away meanwhile is skipped when its batch finds
+ * it gone (outbox_sql_begin_on), and one that comes has its turn in the
+ * next round.
  */
 static bool
 publish_target(MaintenanceCursor *cursor)
 {
-	List	   *shards;
-
 	if (!idem_table_distributed(IDEM_TABLE_OUTBOX))
 	{
 		cursor->outbox_shard = InvalidOid;
@@ -646,14 +649,27 @@ publish_target(MaintenanceCursor *cursor)
 	}
 	if (cursor->publish_way != PUBLISH_FAST && OidIsValid(cursor->outbox_shard))
 		return true;
-	shards = idem_table_parts(IDEM_TABLE_OUTBOX);
-	if (cursor->outbox_part >= list_length(shards))
+	if (cursor->noutbox_shards < 0)
+	{
+		List	   *shards = idem_table_parts(IDEM_TABLE_OUTBOX);
+		ListCell   *lc;
+
+		if (cursor->outbox_shards != NULL)
+			pfree(cursor->outbox_shards);
+		cursor->outbox_shards = MemoryContextAlloc(cursor->alone.context,
+												   sizeof(Oid) * Max(list_length(shards), 1));
+		cursor->noutbox_shards = 0;
+		foreach(lc, shards)
+			cursor->outbox_shards[cursor->noutbox_shards++] = lfirst_oid(lc);
+	}
+	if (cursor->outbox_part >= cursor->noutbox_shards)
 	{
 		cursor->outbox_part = 0;
 		cursor->outbox_shard = InvalidOid;
+		cursor->noutbox_shards = -1;
 		return false;
 	}
-	cursor->outbox_shard = list_nth_oid(shards, cursor->outbox_part);
+	cursor->outbox_shard = cursor->outbox_shards[cursor->outbox_part];
 	return true;
 }
 

@@ -30,6 +30,7 @@
  */
 #include "postgres.h"
 
+#include "access/xact.h"
 #include "catalog/namespace.h"
 #include "catalog/pg_type.h"
 #include "executor/spi.h"
@@ -505,13 +506,17 @@ static SPIPlanPtr plans[NUM_STATEMENTS];
 
 /*
  * The plans of the statements on one shard of a distributed outbox, kept
- * for the backend's life too, by the shard's OID: the name it had when
- * planned tells a shard from another that got its OID since.
+ * for the backend's life too, by the shard's OID, with the tables their text
+ * names (see statement_on_shard): the names they had when planned tell a
+ * shard from another that got its OID since, and a routes placement from
+ * one that replaced it.
  */
 typedef struct ShardPlans
 {
 	Oid			shard;			/* hash key */
 	NameData	name;
+	Oid			routes;			/* this node's placement of the routes, if any */
+	NameData	routes_name;
 	SPIPlanPtr	plans[NUM_STATEMENTS];
 } ShardPlans;
 
@@ -521,14 +526,142 @@ static HTAB *shard_plans;
 static ShardPlans *current_shard;
 
 /*
- * The plans of shard, under its current name, named name; those made under
- * another name are freed.
+ * For each context begun and not ended, innermost last: where the
+ * statements ran before it, and the (sub)transaction it was begun in.  A
+ * context is begun inside another's when a route's function (or a trigger)
+ * calls the pull API: if the inner one fails, and a subtransaction catches
+ * the error (the function's EXCEPTION block, the careful publishing's), its
+ * outbox_sql_end never runs, and the subtransaction's abort takes the
+ * statements back where they ran before the first context it began; else
+ * the outer one's next statements (a batch's published mark) would run on
+ * the inner one's shard.
+ */
+typedef struct BegunContext
+{
+	int			nest_level;
+	ShardPlans *outer_shard;
+} BegunContext;
+
+static BegunContext *begun;
+static int	nbegun;
+static int	begun_capacity;
+
+static void
+forget_begun_on_abort(XactEvent event, void *arg)
+{
+	if (event == XACT_EVENT_ABORT || event == XACT_EVENT_PARALLEL_ABORT)
+	{
+		nbegun = 0;
+		current_shard = NULL;
+	}
+}
+
+static void
+forget_begun_on_subabort(SubXactEvent event, SubTransactionId subid,
+						 SubTransactionId parent, void *arg)
+{
+	/* the contexts begun in the subtransaction being aborted, or deeper */
+	if (event == SUBXACT_EVENT_ABORT_SUB)
+		while (nbegun > 0 && begun[nbegun - 1].nest_level >= GetCurrentTransactionNestLevel())
+			current_shard = begun[--nbegun].outer_shard;
+}
+
+/* Note a context begun, for the aborts above. */
+static void
+push_begun(void)
+{
+	if (begun == NULL)
+	{
+		begun_capacity = 8;
+		begun = MemoryContextAlloc(TopMemoryContext, sizeof(BegunContext) * begun_capacity);
+		RegisterXactCallback(forget_begun_on_abort, NULL);
+		RegisterSubXactCallback(forget_begun_on_subabort, NULL);
+	}
+	else if (nbegun >= begun_capacity)
+	{
+		begun_capacity *= 2;
+		begun = repalloc(begun, sizeof(BegunContext) * begun_capacity);
+	}
+	begun[nbegun].nest_level = GetCurrentTransactionNestLevel();
+	begun[nbegun++].outer_shard = current_shard;
+}
+
+/* Note the innermost context ended: the statements run where they ran before it. */
+static void
+pop_begun(void)
+{
+	Assert(nbegun > 0);
+	current_shard = begun[--nbegun].outer_shard;
+}
+
+/* Is the relation still there, named name? */
+static bool
+still_named(Oid relid, const NameData *name)
+{
+	char	   *now = get_rel_name(relid);
+	bool		same = now != NULL && strcmp(now, NameStr(*name)) == 0;
+
+	if (now != NULL)
+		pfree(now);
+	return same;
+}
+
+/* Are the tables that the entry's statements name still those? */
+static bool
+plans_still_valid(const ShardPlans *entry)
+{
+	return still_named(entry->shard, &entry->name) &&
+		(!OidIsValid(entry->routes) || still_named(entry->routes, &entry->routes_name));
+}
+
+static bool
+plans_in_use(const ShardPlans *entry)
+{
+	if (entry == current_shard)
+		return true;
+	for (int i = 0; i < nbegun; i++)
+		if (begun[i].outer_shard == entry)
+			return true;
+	return false;
+}
+
+/*
+ * Free the plans of the shards whose tables are gone or renamed (a shard
+ * moved away, and dropped by Citus), but those of the contexts begun, which
+ * hold their shard locked: without this, a backend that lives through shard
+ * moves and splits (the worker) kept the plans of every shard it ever
+ * published, and a routes placement replaced left its shards' statements
+ * naming a table that no longer exists.
+ */
+static void
+forget_gone_shards(void)
+{
+	HASH_SEQ_STATUS status;
+	ShardPlans *entry;
+
+	hash_seq_init(&status, shard_plans);
+	while ((entry = hash_seq_search(&status)) != NULL)
+	{
+		if (plans_in_use(entry) || plans_still_valid(entry))
+			continue;
+		for (int i = 0; i < NUM_STATEMENTS; i++)
+			if (entry->plans[i] != NULL)
+				SPI_freeplan(entry->plans[i]);
+		(void) hash_search(shard_plans, &entry->shard, HASH_REMOVE, NULL);
+	}
+}
+
+/*
+ * The plans of shard, as it is named now; planned again if a table they
+ * name is renamed or replaced.
  */
 static ShardPlans *
-plans_of_shard(Oid shard, const char *name)
+plans_of_shard(Oid shard)
 {
 	ShardPlans *entry;
 	bool		found;
+	Oid			routes;
+	List	   *placements;
 
 	if (shard_plans == NULL)
 	{
@@ -540,15 +673,32 @@ plans_of_shard(Oid shard, const char *name)
 		shard_plans = hash_create("idempotency outbox shard plans", 16, &ctl,
 								  HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
 	}
-	entry = hash_search(shard_plans, &shard, HASH_ENTER, &found);
-	if (found && strcmp(NameStr(entry->name), name) == 0)
+	/* (a context begun on the shard already is running them: kept) */
+	entry = hash_search(shard_plans, &shard, HASH_FIND, NULL);
+	if (entry != NULL && (plans_in_use(entry) || plans_still_valid(entry)))
 		return entry;
+
+	forget_gone_shards();
+	entry = hash_search(shard_plans, &shard, HASH_ENTER, &found);
 	if (found)
 		for (int i = 0; i < NUM_STATEMENTS; i++)
 			if (entry->plans[i] != NULL)
 				SPI_freeplan(entry->plans[i]);
 	memset(entry->plans, 0, sizeof(entry->plans));
-	namestrcpy(&entry->name, name);
+	namestrcpy(&entry->name, get_rel_name(shard));
+	routes = get_relname_relid("outbox_routes", get_rel_namespace(shard));
+	placements = OidIsValid(routes) ? idem_local_shards(routes) : NIL;
+	entry->routes = InvalidOid;
+	if (placements != NIL)
+	{
+		char	   *routes_name = get_rel_name(linitial_oid(placements));
+
+		if (routes_name != NULL)
+		{
+			entry->routes = linitial_oid(placements);
+			namestrcpy(&entry->routes_name, routes_name);
+		}
+	}
 	return entry;
 }
 
@@ -558,22 +708,19 @@ plans_of_shard(Oid shard, const char *name)
  * (or stays, for Citus to find, on a node without one).
  */
 static char *
-statement_on_shard(const char *sql, Oid shard)
+statement_on_shard(const char *sql, const ShardPlans *shard)
 {
 	static const char table[] = "idempotency.outbox";
 	static const char routes_suffix[] = "_routes";
-	const char *outbox_name = quote_qualified_identifier(get_namespace_name(get_rel_namespace(shard)),
-														 get_rel_name(shard));
-	const char *routes_name = "idempotency.outbox_routes";
-	Oid			routes = get_relname_relid("outbox_routes", get_rel_namespace(shard));
-	List	   *placements = OidIsValid(routes) ? idem_local_shards(routes) : NIL;
+	const char *schema = get_namespace_name(get_rel_namespace(shard->shard));
+	const char *outbox_name = quote_qualified_identifier(schema, NameStr(shard->name));
+	const char *routes_name = OidIsValid(shard->routes) ?
+		quote_qualified_identifier(schema, NameStr(shard->routes_name)) :
+		"idempotency.outbox_routes";
 	StringInfoData text;
 	const char *rest = sql;
 	const char *hit;
 
-	if (placements != NIL)
-		routes_name = quote_qualified_identifier(get_namespace_name(get_rel_namespace(shard)),
-												 get_rel_name(linitial_oid(placements)));
 	initStringInfo(&text);
 	while ((hit = strstr(rest, table)) != NULL)
 	{
@@ -616,23 +763,21 @@ outbox_sql_begin_on(OutboxSqlContext *context, Oid shard)
 {
 	Oid			owner = idem_outbox_owner();
 
-	context->outer_shard = current_shard;
+	push_begun();
 	current_shard = NULL;
 	idem_run_as_begin(&context->run_as, owner, SECURITY_LOCAL_USERID_CHANGE);
 	if (OidIsValid(shard))
 	{
-		char	   *name;
-
 		LockRelationOid(shard, RowExclusiveLock);
-		name = get_rel_name(shard);
-		if (name == NULL || !idem_lock_local_shard(shard))
+		if (!SearchSysCacheExists1(RELOID, ObjectIdGetDatum(shard)) ||
+			!idem_lock_local_shard(shard))
 		{
 			/* moved away: its old table may still be here, for Citus to drop */
 			idem_run_as_end(&context->run_as, false);
-			current_shard = context->outer_shard;
+			pop_begun();
 			return false;
 		}
-		current_shard = plans_of_shard(shard, name);
+		current_shard = plans_of_shard(shard);
 	}
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
@@ -645,7 +790,7 @@ outbox_sql_end(OutboxSqlContext *context)
 	SPI_finish();
 	idem_run_as_end(&context->run_as, true);
 	/* a route's function may have run statements of its own meanwhile */
-	current_shard = context->outer_shard;
+	pop_begun();
 }
 
 /* The plan of one of the statements above, prepared on first use. */
@@ -658,7 +803,7 @@ outbox_plan(OutboxStatement statement)
 	{
 		const StatementDef *def = &statements[statement];
 		const char *sql = current_shard != NULL ?
-			statement_on_shard(def->sql, current_shard->shard) : def->sql;
+			statement_on_shard(def->sql, current_shard) : def->sql;
 		SPIPlanPtr	plan = SPI_prepare_cursor(sql, def->nargs, (Oid *) def->argtypes,
 											  def->custom_plan ? CURSOR_OPT_CUSTOM_PLAN : 0);
 

@@ -95,7 +95,6 @@ enum
 typedef struct OutboxSqlContext
 {
 	IdemRunAs	run_as;
-	struct ShardPlans *outer_shard; /* where the statements ran before */
 } OutboxSqlContext;
 
 extern void outbox_sql_begin(OutboxSqlContext *context);

@@ -895,10 +895,17 @@ idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls, int nrows)
  * Move the sequence past target, for idem_outbox_next_id.  setval is not
  * transactional, and safe only while no other transaction can call nextval
  * (it would move the sequence back below values handed out meanwhile):
- * ShareLock on the sequence waits for the transactions that called nextval
- * to end (nextval holds RowExclusiveLock until then) and keeps others out.
- * It is taken in a subtransaction rolled back at once, which releases the
- * lock and keeps the setval.  Returns a value past target.
+ * ShareRowExclusiveLock on the sequence waits for the transactions that
+ * called nextval to end (nextval holds RowExclusiveLock until then) and
+ * keeps others out, another transaction's sequence_past too (with
+ * ShareLock, two could hold it at once, and each wait for the other's
+ * nextval below).  It is taken in a subtransaction rolled back at once,
+ * which releases the lock and keeps the setval.  Returns a value past
+ * target.
+ *
+ * A transaction that called nextval already holds the sequence as those it
+ * waits for do: two of them that each wait here for the other deadlock.
+ * So idem_outbox_next_id comes here before its nextval where it can.
  */
 static int64
 sequence_past(Oid seqid, int64 target)
@@ -909,7 +916,7 @@ sequence_past(Oid seqid, int64 target)
 
 	BeginInternalSubTransaction(NULL);
 	MemoryContextSwitchTo(context);
-	LockRelationOid(seqid, ShareLock);
+	LockRelationOid(seqid, ShareRowExclusiveLock);
 	value = nextval_internal(seqid, false);
 	if (value <= target)
 		(void) DirectFunctionCall2(setval_oid, ObjectIdGetDatum(seqid), Int64GetDatum(target));
@@ -917,6 +924,33 @@ sequence_past(Oid seqid, int64 target)
 	MemoryContextSwitchTo(context);
 	CurrentResourceOwner = owner;
 	return value > target ? value : nextval_internal(seqid, false);
+}
+
+/*
+ * The sequence's last value, read as SELECT last_value FROM it reads it,
+ * without the lock that nextval takes and keeps until the transaction ends:
+ * whether the sequence is behind, before idem_outbox_next_id calls nextval.
+ */
+static int64
+sequence_last_value(Oid seqid)
+{
+	Relation	seq = relation_open(seqid, AccessShareLock);
+	TableScanDesc scan = table_beginscan(seq, GetLatestSnapshot(), 0, NULL);
+	TupleTableSlot *slot = table_slot_create(seq, NULL);
+	int64		last = PG_INT64_MAX;
+	bool		isnull;
+
+	if (table_scan_getnextslot(scan, ForwardScanDirection, slot))
+	{
+		Datum		value = slot_getattr(slot, 1, &isnull);	/* last_value */
+
+		if (!isnull)
+			last = DatumGetInt64(value);
+	}
+	table_endscan(scan);
+	ExecDropSingleTupleTableSlot(slot);
+	relation_close(seq, AccessShareLock);
+	return last;
 }
 
 /*
@@ -954,11 +988,21 @@ idem_outbox_next_id(int64 floor)
 		cached_sequence = seqid;
 	}
 	/* the caller's EXECUTE on the enqueue function is the permission */
-	value = nextval_internal(cached_sequence, false);
 	if (cached_partmethod[IDEM_TABLE_OUTBOX] != IDEM_CITUS_HASH)
-		return value;
+		return nextval_internal(cached_sequence, false);
 
+	/*
+	 * Behind the topic's ids, the sequence is moved past them before this
+	 * transaction's nextval holds it, if this transaction has not called
+	 * nextval yet: see sequence_past.  And after nextval, if a value handed
+	 * out meanwhile made the look stale.
+	 */
 	group = Max(idem_citus_local_group(), 0);
+	if (floor != PG_INT64_MIN &&
+		sequence_last_value(cached_sequence) <= (floor >> CITUS_GROUP_BITS))
+		value = sequence_past(cached_sequence, floor >> CITUS_GROUP_BITS);
+	else
+		value = nextval_internal(cached_sequence, false);
 	if (floor != PG_INT64_MIN && value <= (floor >> CITUS_GROUP_BITS))
 		value = sequence_past(cached_sequence, floor >> CITUS_GROUP_BITS);
 	if (value >= (INT64CONST(1) << (63 - CITUS_GROUP_BITS)))
