@@ -851,6 +851,8 @@ publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
 		turns = list_length(idem_table_parts(IDEM_TABLE_OUTBOX));
 	for (int turn = 0; turn < turns; turn++)
 	{
+		/* shard turn's batch, whether or not the one before had more */
+		cursor->outbox_part = turn;
 		cursor->publish_way = PUBLISH_FAST;
 		publish_one_batch_carefully(cursor, counts, context, owner);
 	}
