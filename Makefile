@@ -181,8 +181,10 @@ check-fuzz:
 # installcheck's pg_regress and isolation suites, and the fuzzers of
 # check-fuzz, against a temporary server that loads a build made with
 # AddressSanitizer and UndefinedBehaviorSanitizer from a private copy of the
-# server's lib dir (the installed library stays as it is); fails on any
-# sanitizer report as on any suite failure (scripts/check-sanitize.sh)
+# server's lib dir (the installed library stays as it is), then the TAP
+# suite, t/*.pl, with its clusters started from that copy (SUITES picks a
+# subset; "citus" adds t/citus/*.pl); fails on any sanitizer report as on
+# any suite failure (scripts/check-sanitize.sh)
 .PHONY: check-sanitize
 check-sanitize:
 	PG_CONFIG=$(PG_CONFIG) scripts/check-sanitize.sh

@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 #
 # make check-sanitize: build the extension with AddressSanitizer and
-# UndefinedBehaviorSanitizer, run installcheck's pg_regress and isolation
-# suites and make check-fuzz's fuzzers against a temporary server that loads
-# THAT build, and fail on any sanitizer report as on any suite failure.
+# UndefinedBehaviorSanitizer, run test suites against servers that load THAT
+# build, and fail on any sanitizer report as on any suite failure.  SUITES
+# picks them (default: "installcheck fuzz tap"; on two cores, about 4
+# minutes for the first two, 6 for tap, 3.5 for citus):
+#
+#   installcheck  installcheck's pg_regress and isolation suites
+#   fuzz          make check-fuzz's fuzzers
+#   tap           the TAP suite, t/*.pl: the background worker (publish,
+#                 purge, launcher), standbys, crashes, dumps, upgrades
+#   citus         the Citus suite, t/citus/*.pl (a coordinator and two
+#                 workers: the shards' code paths), when the citus extension
+#                 is installed in the server; one line says so when not
 #
 #   1. copy the tree (uncommitted changes included, build products left out)
 #      to a scratch directory the runner owns, and build it there with
@@ -18,35 +27,47 @@
 #      SANITIZE_WRAPV=1 keeps -fwrapv (and loses that check).
 #   2. a private installation of the server: the build is installed with
 #      DESTDIR into the scratch directory, the rest of the server's pkglibdir
-#      and sharedir are symlinked next to it, and a copy of the (plain,
-#      uninstrumented) postgres binary goes into the copy of its bindir.
-#      PostgreSQL computes its sharedir and pkglibdir relative to where its
-#      binary is, so that server's $libdir, where shared_preload_libraries
-#      and the extension's 'MODULE_PATHNAME' ('$libdir/idempotency') both
-#      find the library, is the private lib dir, and CREATE EXTENSION reads
-#      the tree's control and SQL files.  The system's installation is not
-#      touched: other runs can use it at the same time.
-#   3. initdb, then start that postmaster with the sanitizer runtimes
-#      LD_PRELOADed (libasan first, as the binary is not instrumented, and
-#      a small library of our own that initializes the runtimes early: see
-#      sanitizer_early.c below), ASan's reports going to files under the
-#      scratch directory, UBSan's to the server log, each aborting the
-#      process; check that the postmaster and a backend run the private
-#      binary and have mapped libasan, libubsan and the private
-#      idempotency.so, and no other idempotency.so
-#   4. make installcheck TAP_TESTS= against it (PGHOST, PGPORT, PGUSER, as
-#      scripts/with-server.sh gives them), then the fuzzers of make
-#      check-fuzz, through scripts/check-fuzz.sh --with-server (sqlsmith and
-#      python3-psycopg are installed first, as root, when missing).
-#      SUITES="installcheck" or SUITES="fuzz" runs one of the two.
-#   5. stop the server, then fail if a suite failed, if there is any
-#      sanitizer report (ASan's log_path files, or a report in the server
-#      log), or if a server process crashed; the reports are printed
+#      and sharedir are symlinked next to it (citus.so and citus.control
+#      among them, when installed), and copies of the server's (plain,
+#      uninstrumented) programs go into the copy of its bindir.  PostgreSQL
+#      computes its sharedir and pkglibdir relative to where its binary is
+#      (and initdb and pg_ctl find postgres next to themselves), so that
+#      server's $libdir, where shared_preload_libraries and the extension's
+#      'MODULE_PATHNAME' ('$libdir/idempotency') both find the library, is
+#      the private lib dir, and CREATE EXTENSION reads the tree's control
+#      and SQL files.  The system's installation is not touched: other runs
+#      can use it at the same time.
+#   3. the sanitizer runtimes, LD_PRELOADed into every server process and
+#      whatever starts one (libasan first, as the binaries are not
+#      instrumented, and a small library of our own that initializes the
+#      runtimes early: see sanitizer_early.c below), ASan's reports going
+#      to files under the scratch directory, UBSan's to the server's log,
+#      each aborting the process.  Every server is checked: its postmaster
+#      and a backend run the private binary and have mapped libasan,
+#      libubsan and the private idempotency.so, and no other idempotency.so.
+#   4. for installcheck and fuzz: initdb, then start that postmaster and
+#      check it
+#   5. the suites: make installcheck TAP_TESTS= against that server
+#      (PGHOST, PGPORT, PGUSER, as scripts/with-server.sh gives them), then
+#      the fuzzers of make check-fuzz, through scripts/check-fuzz.sh
+#      --with-server (sqlsmith and python3-psycopg are installed first, as
+#      root, when missing); the server is then stopped.  Then make check-tap
+#      and check-citus with the private bindir first in prove's PATH, so
+#      that the clusters the tests start (PostgreSQL::Test::Cluster) run the
+#      private programs, with the runtimes preloaded into prove and all it
+#      starts: perl, psql, pg_ctl, the nodes; each suite's first test is one
+#      of this script's, a node started as the tests start theirs, whose
+#      maps are checked as the server's are.
+#   6. fail if a suite failed, if there is any sanitizer report (ASan's
+#      log_path files, a report in a server's or a node's log), or if a
+#      server process crashed (in the TAP suites, which kill processes on
+#      purpose: one that aborted or faulted); the reports are printed
 #
 # As root, the build and the servers run as the unprivileged runner (the
 # postgres OS user), as in make test.  The server version is
 # scripts/common.sh's pick (PG_MAJOR=NN or PG_CONFIG=...).  KEEP_WORKDIR=1
-# keeps the scratch directory, with the build, the logs and the results.
+# keeps the scratch directory, with the build, the logs and the results
+# (the TAP suites' in tmp_check-tap and tmp_check-citus).
 #
 # What the sanitizers can and cannot see: the extension's own code is
 # instrumented, the server is not.  ASan catches out-of-bounds accesses to
@@ -62,7 +83,10 @@
 # The server's settings are test/idempotency.conf's, with those of
 # scripts/with-server.sh but its TCP listener, and jit = off: the server's
 # own code is not instrumented, so its stack use is what it always is, and
-# max_stack_depth stays at its default.
+# max_stack_depth stays at its default.  The TAP suites' nodes have their
+# tests' settings; JIT is unavailable to them, as llvmjit is not linked into
+# the private lib dir.  Citus's library is not instrumented either: only
+# the libc calls it makes are checked.
 #
 set -uo pipefail
 umask 022
@@ -95,6 +119,15 @@ bindir=$("$PG_CONFIG" --bindir)
 pkglibdir=$("$PG_CONFIG" --pkglibdir)
 sharedir=$("$PG_CONFIG" --sharedir)
 [ -x "$bindir/postgres" ] || fail "$bindir/postgres is missing"
+
+suites=${SUITES:-installcheck fuzz tap}
+for suite in $suites; do
+	case $suite in
+	installcheck | fuzz | tap | citus) ;;
+	*) fail "SUITES: no suite '$suite' (installcheck, fuzz, tap, citus)" ;;
+	esac
+done
+wants() { [[ " $suites " == *" $1 "* ]]; }
 
 sanitize="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
 [ -n "${SANITIZE_WRAPV:-}" ] || sanitize="$sanitize -fno-wrapv"
@@ -184,14 +217,16 @@ run_link() {
 run_link "$pkglibdir" "$inst$pkglibdir" 'idempotency*' bitcode 'llvmjit*'
 run_link "$sharedir" "$inst$sharedir" extension
 run_link "$sharedir/extension" "$inst$sharedir/extension" 'idempotency*'
+# the server's programs are copies: initdb and pg_ctl look for postgres, and
+# pg_config for the lib and share dirs, next to where they are once symlinks
+# are resolved (the TAP suites run them all from there)
 as_runner mkdir -p "$inst$bindir"
-as_runner cp "$bindir/postgres" "$inst$bindir/postgres"
+as_runner cp -a "$bindir/." "$inst$bindir/"
 postgres=$inst$bindir/postgres
 [ -f "$inst$pkglibdir/idempotency.so" ] && [ -f "$inst$sharedir/extension/idempotency.control" ] ||
 	fail "the install left no idempotency.so or idempotency.control under $inst"
 
-# -- 3. the server
-say "start the server with $(basename "$asan") and $(basename "$ubsan") preloaded"
+# -- 3. the runtimes, and what every sanitized process is checked for
 asan_options="detect_leaks=0:abort_on_error=1:halt_on_error=1:log_path=$logs/asan"
 asan_options="$asan_options:detect_odr_violation=0:verify_asan_link_order=0"
 # UBSan reports go to the server's stderr, its log: gcc's libubsan, next
@@ -236,13 +271,38 @@ gcc -shared -fPIC -Wl,-z,initfirst -o "$work/sanitizer_early.so" "$work/sanitize
 	fail "cannot build sanitizer_early.so"
 chmod 755 "$work/sanitizer_early.so"
 preload="$asan $work/sanitizer_early.so $ubsan"
-port=5432
-user=$RUN_AS
-as_runner "$bindir/initdb" -D "$pgdata" -A trust -U "$user" --no-sync >"$server/initdb.log" 2>&1 || {
-	cat "$server/initdb.log"
-	fail "initdb failed"
+
+# check_maps WHO MAPS: the process whose /proc/PID/maps is MAPS runs the
+# private postgres and has mapped libasan, libubsan and the private
+# idempotency.so, and no other idempotency.so; else say what is wrong
+check_maps() {
+	local who=$1 maps=$2 libs exe
+	libs=$(awk '$6 ~ /\/idempotency\.so$/ { print $6 }' <<<"$maps" | sort -u)
+	exe=$(awk '$6 ~ /\/postgres$/ { print $6; exit }' <<<"$maps")
+	if [ "$libs" != "$inst$pkglibdir/idempotency.so" ]; then
+		echo "the $who mapped '${libs:-no idempotency.so}', not (only) $inst$pkglibdir/idempotency.so"
+	elif ! grep -q " $asan\$" <<<"$maps"; then
+		echo "the $who has not mapped $asan"
+	elif ! grep -q " $ubsan\$" <<<"$maps"; then
+		echo "the $who has not mapped $ubsan"
+	elif [ "$exe" != "$postgres" ]; then
+		echo "the $who runs ${exe:-no postgres}, not $postgres"
+	else
+		return 0
+	fi
+	return 1
 }
-as_runner tee -a "$pgdata/postgresql.conf" >/dev/null <<EOF
+
+# -- 4. the server that installcheck and fuzz run against
+if wants installcheck || wants fuzz; then
+	say "start the server with $(basename "$asan") and $(basename "$ubsan") preloaded"
+	port=5432
+	user=$RUN_AS
+	as_runner "$bindir/initdb" -D "$pgdata" -A trust -U "$user" --no-sync >"$server/initdb.log" 2>&1 || {
+		cat "$server/initdb.log"
+		fail "initdb failed"
+	}
+	as_runner tee -a "$pgdata/postgresql.conf" >/dev/null <<EOF
 
 # check-sanitize (see test/idempotency.conf below)
 listen_addresses = ''
@@ -257,56 +317,48 @@ jit = off
 restart_after_crash = off
 log_line_prefix = '%m [%p] '
 EOF
-as_runner tee -a "$pgdata/postgresql.conf" <"$tree/test/idempotency.conf" >/dev/null
+	as_runner tee -a "$pgdata/postgresql.conf" <"$tree/test/idempotency.conf" >/dev/null
 
-# pg_ctl and its shell get the runtimes too (LD_PRELOAD is inherited): they
-# are as uninstrumented as the server, and leak checking is off
-if ! as_runner env LD_PRELOAD="$preload" ASAN_OPTIONS="$asan_options" \
-	UBSAN_OPTIONS="$ubsan_options" \
-	"$bindir/pg_ctl" -D "$pgdata" -p "$postgres" -l "$server/server.log" -w -t 120 start \
-	>"$server/pg_ctl.log" 2>&1; then
-	cat "$server/pg_ctl.log" "$server/server.log"
-	for f in "$logs"/*; do [ -f "$f" ] && { echo "-- $f"; cat "$f"; }; done
-	fail "the server did not start"
+	# pg_ctl and its shell get the runtimes too (LD_PRELOAD is inherited): they
+	# are as uninstrumented as the server, and leak checking is off
+	if ! as_runner env LD_PRELOAD="$preload" ASAN_OPTIONS="$asan_options" \
+		UBSAN_OPTIONS="$ubsan_options" \
+		"$bindir/pg_ctl" -D "$pgdata" -p "$postgres" -l "$server/server.log" -w -t 120 start \
+		>"$server/pg_ctl.log" 2>&1; then
+		cat "$server/pg_ctl.log" "$server/server.log"
+		for f in "$logs"/*; do [ -f "$f" ] && { echo "-- $f"; cat "$f"; }; done
+		fail "the server did not start"
+	fi
+	server_up=1
+	export PGHOST=$server PGPORT=$port PGUSER=$user
+
+	psql() { as_runner env PGHOST="$PGHOST" PGPORT="$PGPORT" PGUSER="$PGUSER" \
+		"$bindir/psql" -X -q -At -v ON_ERROR_STOP=1 -d postgres "$@"; }
+	# The mappings of a backend that has called a function of the extension
+	# (its probin is '$libdir/idempotency', MODULE_PATHNAME), and the
+	# postmaster's
+	psql -c "CREATE DATABASE sanitize_check" || fail "CREATE DATABASE failed"
+	maps=$(psql -d sanitize_check -c "SET client_min_messages = warning" \
+		-c "CREATE EXTENSION idempotency" \
+		-c "SELECT 'CREATE EXTENSION: idempotency ' || extversion || ', functions in '
+		           || string_agg(DISTINCT p.probin, ', ')
+		    FROM pg_extension e, pg_depend d, pg_proc p
+		    WHERE e.extname = 'idempotency' AND d.refobjid = e.oid AND d.classid = 'pg_proc'::regclass
+		          AND p.oid = d.objid AND p.probin IS NOT NULL
+		    GROUP BY extversion" \
+		-c "SELECT idempotency.idem_fingerprint('{}'::jsonb) IS NOT NULL AS fingerprint" \
+		-c "SELECT pg_read_file('/proc/self/maps')") || fail "cannot call the extension in a backend"
+	grep '^CREATE EXTENSION: ' <<<"$maps"
+	psql -c "DROP DATABASE sanitize_check WITH (FORCE)" || fail "DROP DATABASE failed"
+	pm_pid=$(head -n 1 "$pgdata/postmaster.pid")
+	pm_maps=$(cat "/proc/$pm_pid/maps")
+	problem=$(check_maps backend "$maps") && problem=$(check_maps "postmaster $pm_pid" "$pm_maps") ||
+		fail "$problem"
+	echo "the postmaster (pid $pm_pid) and its backends run $postgres"
+	echo "with $inst$pkglibdir/idempotency.so, $asan and $ubsan mapped"
 fi
-server_up=1
-export PGHOST=$server PGPORT=$port PGUSER=$user
 
-psql() { as_runner env PGHOST="$PGHOST" PGPORT="$PGPORT" PGUSER="$PGUSER" \
-	"$bindir/psql" -X -q -At -v ON_ERROR_STOP=1 -d postgres "$@"; }
-# The mappings of a backend that has called a function of the extension
-# (its probin is '$libdir/idempotency', MODULE_PATHNAME), and the
-# postmaster's
-psql -c "CREATE DATABASE sanitize_check" || fail "CREATE DATABASE failed"
-maps=$(psql -d sanitize_check -c "SET client_min_messages = warning" \
-	-c "CREATE EXTENSION idempotency" \
-	-c "SELECT 'CREATE EXTENSION: idempotency ' || extversion || ', functions in '
-	           || string_agg(DISTINCT p.probin, ', ')
-	    FROM pg_extension e, pg_depend d, pg_proc p
-	    WHERE e.extname = 'idempotency' AND d.refobjid = e.oid AND d.classid = 'pg_proc'::regclass
-	          AND p.oid = d.objid AND p.probin IS NOT NULL
-	    GROUP BY extversion" \
-	-c "SELECT idempotency.idem_fingerprint('{}'::jsonb) IS NOT NULL AS fingerprint" \
-	-c "SELECT pg_read_file('/proc/self/maps')") || fail "cannot call the extension in a backend"
-grep '^CREATE EXTENSION: ' <<<"$maps"
-psql -c "DROP DATABASE sanitize_check WITH (FORCE)" || fail "DROP DATABASE failed"
-pm_pid=$(head -n 1 "$pgdata/postmaster.pid")
-pm_maps=$(cat "/proc/$pm_pid/maps")
-for m in "backend:$maps" "postmaster $pm_pid:$pm_maps"; do
-	who=${m%%:*}
-	m=${m#*:}
-	libs=$(awk '$6 ~ /\/idempotency\.so$/ { print $6 }' <<<"$m" | sort -u)
-	[ "$libs" = "$inst$pkglibdir/idempotency.so" ] ||
-		fail "the $who mapped '${libs:-no idempotency.so}', not (only) $inst$pkglibdir/idempotency.so"
-	grep -q " $asan\$" <<<"$m" || fail "the $who has not mapped $asan"
-	grep -q " $ubsan\$" <<<"$m" || fail "the $who has not mapped $ubsan"
-	exe=$(awk '$6 ~ /\/postgres$/ { print $6; exit }' <<<"$m")
-	[ "$exe" = "$postgres" ] || fail "the $who runs $exe, not $postgres"
-done
-echo "the postmaster (pid $pm_pid) and its backends run $postgres"
-echo "with $inst$pkglibdir/idempotency.so, $asan and $ubsan mapped"
-
-# -- 4. the suites
+# -- 5. the suites
 summary=()
 status=0
 run_suite() {
@@ -324,13 +376,13 @@ run_suite() {
 		done
 	fi
 }
-if [[ " ${SUITES:-installcheck fuzz} " == *" installcheck "* ]]; then
+if wants installcheck; then
 	run_suite installcheck installcheck TAP_TESTS=
 fi
 # The fuzz suite: scripts/check-fuzz.sh runs against a server that is up
 # already when given --with-server (PGHOST, PGPORT, PGUSER, and the server's
 # log in ./tmp_check_server/server.log, as scripts/with-server.sh has it)
-if [[ " ${SUITES:-installcheck fuzz} " == *" fuzz "* ]]; then
+if wants fuzz; then
 	if [ -x "$tree/scripts/check-fuzz.sh" ] && grep -q -- '--with-server' "$tree/scripts/check-fuzz.sh"; then
 		missing=()
 		command -v sqlsmith >/dev/null || missing+=(sqlsmith)
@@ -358,25 +410,118 @@ if [[ " ${SUITES:-installcheck fuzz} " == *" fuzz "* ]]; then
 	fi
 fi
 
-# -- 5. the reports
-say "stop the server and look for reports"
-as_runner "$bindir/pg_ctl" -D "$pgdata" -m fast -w -t 120 stop >/dev/null 2>&1 || status=1
-server_up=
+# UBSan's reports and any other that went to stderr, in a server's log
+pattern='AddressSanitizer|LeakSanitizer|UndefinedBehaviorSanitizer|runtime error:'
 reports=0
+if [ -n "$server_up" ]; then
+	say "stop the server"
+	as_runner "$bindir/pg_ctl" -D "$pgdata" -m fast -w -t 120 stop >/dev/null 2>&1 || status=1
+	server_up=
+	# and any server process that died
+	crashed="$pattern|terminated by signal|terminating any other active server processes"
+	if grep -Eq "$crashed" "$server/server.log"; then
+		reports=$((reports + 1))
+		echo "-- in $server/server.log:"
+		grep -E -B 2 -A 30 "$crashed" "$server/server.log"
+	fi
+fi
+
+# The TAP suites start clusters of their own (PostgreSQL::Test::Cluster):
+# make's bindir is the private one, which PGXS's prove puts first in the
+# PATH, so that the nodes run the private initdb, pg_ctl and postgres, and
+# load the private idempotency.so.  The sanitizer runtimes are preloaded
+# into prove and everything it starts: perl, psql, pg_ctl, the nodes.  The
+# first test is this one, a node started as the tests start theirs, whose
+# postmaster's and backend's maps are then checked as the server's are.
+cat >"$work/sanitize_maps.pl" <<'EOF'
+# check-sanitize: a node as the suite's nodes are, preloading
+# $SANITIZE_PRELOAD; the maps of its postmaster and of a backend that has
+# called the extension go to $SANITIZE_MAPS.postmaster and .backend
+use strict;
+use warnings;
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+my $node = PostgreSQL::Test::Cluster->new('sanitize_maps');
+$node->init;
+$node->append_conf('postgresql.conf', "shared_preload_libraries = '$ENV{SANITIZE_PRELOAD}'");
+$node->start;
+my $backend = $node->safe_psql('postgres', q{
+	SET client_min_messages = warning;
+	CREATE EXTENSION idempotency;
+	SELECT pg_read_file('/proc/self/maps')
+	WHERE idempotency.idem_fingerprint('{}'::jsonb) IS NOT NULL;
+});
+my ($pid) = split /\n/, slurp_file($node->data_dir . '/postmaster.pid');
+append_to_file("$ENV{SANITIZE_MAPS}.postmaster", slurp_file("/proc/$pid/maps"));
+append_to_file("$ENV{SANITIZE_MAPS}.backend", $backend);
+ok($backend ne '', 'a backend called the extension');
+$node->stop;
+done_testing();
+EOF
+
+# run_tap SUITE PRELOAD TESTS: make check-SUITE with the runtimes preloaded,
+# PROVE_TESTS the check above (a node preloading PRELOAD) and TESTS; then
+# the checks of the maps and of the nodes' logs.  The logs are kept in
+# tmp_check-SUITE, as the next suite's prove starts with an empty tmp_check.
+run_tap() {
+	local name=$1 libraries=$2 tests=$3 problem log crashed
+	say "$name"
+	if as_runner env LD_PRELOAD="$preload" ASAN_OPTIONS="$asan_options" \
+		SANITIZE_PRELOAD="$libraries" SANITIZE_MAPS="$work/maps-$name" \
+		nice -n 10 make -C "$tree" --no-print-directory "${make_args[@]}" bindir="$inst$bindir" \
+		PROVE_FLAGS=--timer PROVE_TESTS="$work/sanitize_maps.pl $tests" "check-$name"; then
+		summary+=("$name: passed")
+	else
+		status=1
+		summary+=("$name: FAILED")
+		for log in $(grep -lE '^(not ok|# Looks like|Bail out)' "$tree"/tmp_check/log/regress_log_* 2>/dev/null); do
+			echo "-- $log (last 60 lines)"
+			tail -n 60 "$log"
+		done
+	fi
+	if ! problem=$(check_maps "$name postmaster" "$(cat "$work/maps-$name.postmaster" 2>/dev/null)") ||
+		! problem=$(check_maps "$name backend" "$(cat "$work/maps-$name.backend" 2>/dev/null)"); then
+		status=1
+		summary+=("$name: $problem")
+	elif [[ $libraries == *citus* ]] && ! grep -q '/citus\.so$' "$work/maps-$name.backend"; then
+		status=1
+		summary+=("$name: the backend has not mapped citus.so")
+	fi
+	# the nodes' logs; some tests kill processes (KILL, QUIT), none makes
+	# one abort or fault
+	crashed="$pattern|terminated by signal (4|6|7|8|11)"
+	for log in "$tree"/tmp_check/log/*.log; do
+		if grep -Eq "$crashed" "$log"; then
+			reports=$((reports + 1))
+			echo "-- in $log:"
+			grep -E -B 2 -A 30 "$crashed" "$log"
+		fi
+	done
+	as_runner mv "$tree/tmp_check" "$work/tmp_check-$name"
+}
+if wants tap; then
+	run_tap tap idempotency 't/*.pl'
+fi
+# as scripts/test.sh does: without Citus in the server, one line says so
+if wants citus; then
+	if [ -e "$sharedir/extension/citus.control" ]; then
+		run_tap citus citus,idempotency 't/citus/*.pl'
+	else
+		summary+=("citus: not run (citus is not installed in this server)")
+	fi
+fi
+
+# -- 6. the reports: ASan's files (of any process), and those found above
+say "look for reports"
 for f in "$logs"/*; do
 	[ -s "$f" ] || continue
 	reports=$((reports + 1))
 	echo "-- sanitizer report $f"
 	cat "$f"
 done
-# UBSan's reports, any that went to stderr, and server processes that died
-pattern='AddressSanitizer|LeakSanitizer|UndefinedBehaviorSanitizer|runtime error:|terminated by signal'
-pattern="$pattern|terminating any other active server processes"
-if grep -Eq "$pattern" "$server/server.log"; then
-	reports=$((reports + 1))
-	echo "-- in $server/server.log:"
-	grep -E -B 2 -A 30 "$pattern" "$server/server.log"
-fi
 if [ $reports -ne 0 ]; then
 	status=1
 	summary+=("sanitizers: $reports report(s), above")
