@@ -56,16 +56,28 @@ $node->safe_psql('postgres', q{
 	END $$;
 
 	-- deliver rows of one key of a hand-out together with their fenced
-	-- acknowledgement; nothing if any of them was not acknowledged
+	-- acknowledgement; nothing if any of them was not acknowledged.  An
+	-- acknowledgement during which another relay leased one of the rows
+	-- again fails with 40001, and is retried, as the reference says.
 	CREATE PROCEDURE deliver(relay text, k text, ids bigint[], attempts int[])
 	LANGUAGE plpgsql AS $$
+	DECLARE
+		acked int;
 	BEGIN
 		IF cardinality(ids) = 0 THEN
 			RETURN;
 		END IF;
-		INSERT INTO delivered (id, key, relay, attempts)
-		SELECT i, k, relay, a FROM unnest(ids, attempts) AS u (i, a);
-		IF idempotency.idem_outbox_ack(ids, attempts) = cardinality(ids) THEN
+		LOOP
+			BEGIN
+				INSERT INTO delivered (id, key, relay, attempts)
+				SELECT i, k, relay, a FROM unnest(ids, attempts) AS u (i, a);
+				acked := idempotency.idem_outbox_ack(ids, attempts);
+				EXIT;
+			EXCEPTION WHEN serialization_failure THEN
+				NULL;
+			END;
+		END LOOP;
+		IF acked = cardinality(ids) THEN
 			INSERT INTO tally VALUES (relay, 'acked');
 			COMMIT;
 		ELSE
