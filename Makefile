@@ -152,7 +152,7 @@ else
 	@echo "bench-citus: not run (citus is not installed in this server)"
 endif
 
-# examples/*/test.sh against a temporary instance, directly and through
+# clients/*/test.sh and examples/*/test.sh against a temporary instance, directly and through
 # pgbouncer in transaction pooling mode
 check-examples:
 	PG_CONFIG=$(PG_CONFIG) scripts/with-server.sh scripts/test-examples.sh

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 #
-# The "examples" suite of make test: every examples/*/test.sh, twice: once
+# The "examples" suite of make test: every clients/*/test.sh (the client
+# packages' own tests) and examples/*/test.sh, twice: once
 # connected to the server directly, once through pgbouncer in transaction
 # pooling mode (where one client's transactions may each run on a different
 # server session, so nothing may lean on session state).
@@ -16,7 +17,8 @@
 #   IDEM_VIA                          "direct" or "pgbouncer"
 #   EXAMPLE_TMP                       a scratch folder of its own
 #
-# EXAMPLES picks a subset by folder name, e.g. EXAMPLES=http-python.
+# EXAMPLES picks a subset by folder name, e.g. EXAMPLES=http-python (or
+# EXAMPLES=node for clients/node).
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,8 @@ PGBIN=$("$PG_CONFIG" --bindir)
 server_port=$PGPORT
 
 status=0
-for test in examples/*/test.sh; do
+for test in clients/*/test.sh examples/*/test.sh; do
+	[ -e "$test" ] || continue
 	example=$(basename "$(dirname "$test")")
 	if [ -n "${EXAMPLES:-}" ] && [[ " $EXAMPLES " != *" $example "* ]]; then
 		continue
@@ -45,12 +48,13 @@ for test in examples/*/test.sh; do
 		rm -rf "$scratch"
 		mkdir -p "$scratch"
 
-		echo "-- examples/$example ($via)"
+		where=$(dirname "$test")
+		echo "-- $where ($via)"
 		if (cd "$(dirname "$test")" &&
 			PGPORT=$port PGDATABASE=$db IDEM_VIA=$via EXAMPLE_TMP=$scratch ./test.sh); then
-			echo "ok: examples/$example ($via)"
+			echo "ok: $where ($via)"
 		else
-			echo "FAILED: examples/$example ($via)"
+			echo "FAILED: $where ($via)"
 			status=1
 		fi
 	done

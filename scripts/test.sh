@@ -12,7 +12,7 @@
 #   citus       prove, t/citus/*.pl: a Citus coordinator and two workers,
 #               when the citus extension is installed in the server tree
 #               (one line of the summary says so when it is not)
-#   examples    examples/*/test.sh: real clients over real connections,
+#   examples    clients/*/test.sh and examples/*/test.sh: real clients over real connections,
 #               directly and through pgbouncer (scripts/test-examples.sh)
 #   fuzz        hostile arguments to every function, and Debian's sqlsmith,
 #               bounded to about two minutes (scripts/check-fuzz.sh)
