@@ -324,14 +324,17 @@ idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 
 /*
  * Delete up to limit published rows older than idempotency.outbox_retention
- * (of each of this node's shards of a distributed outbox).  Returns how many
- * were; limit or more means there may be more.
+ * (of each of this node's shards of a distributed outbox), and of those
+ * whose NOTIFY went out truncated, older than
+ * idempotency.notify_truncated_retention too: their listeners read them by
+ * id (see STMT_PURGE_PUBLISHED).  Returns how many were; limit or more
+ * means there may be more.
  */
 static uint64
 outbox_purge_published(TimestampTz now, int limit)
 {
 	OutboxSqlContext context;
-	Datum		values[2];
+	Datum		values[3];
 	uint64		deleted = 0;
 	List	   *shards = list_make1_oid(InvalidOid);
 	ListCell   *lc;
@@ -341,6 +344,8 @@ outbox_purge_published(TimestampTz now, int limit)
 	values[0] = TimestampTzGetDatum(TimestampTzPlusMilliseconds(now,
 																-(int64) idem_outbox_retention_s * 1000));
 	values[1] = Int32GetDatum(limit);
+	values[2] = TimestampTzGetDatum(TimestampTzPlusMilliseconds(now,
+																-(int64) idem_notify_truncated_retention_s * 1000));
 	foreach(lc, shards)
 	{
 		if (!outbox_sql_begin_on(&context, lfirst_oid(lc)))
