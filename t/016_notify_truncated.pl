@@ -79,9 +79,14 @@ like($listener->query_safe($query),
 	qr/^\{"blob": "x{9000}"\}\|\{"h": 1\}\|\d{4}-\d\d-\d\d /,
 	'the listener reads the whole payload, its headers and created_at by id');
 
-# A purge keeps it, whatever outbox_retention says, while it deletes the
-# other published rows: here a row acknowledged by a relay while
-# outbox_retention was an hour, then a purge with outbox_retention = 0.
+# A purge keeps it, whatever outbox_retention says.  With the defaults:
+$node->safe_psql('postgres', 'SELECT * FROM idempotency.idem_run_maintenance()');
+is($node->safe_psql('postgres', "SELECT state FROM idempotency.outbox WHERE id = $large"),
+	'published', 'a purge with the default settings keeps it');
+
+# With an outbox_retention shorter than the window, the same purge deletes
+# the other published rows past it and keeps this one: here a row a relay
+# acknowledged, once it is older than outbox_retention (1 s).
 my $acked = $node->safe_psql('postgres', q{
 	SET idempotency.outbox_retention = '1h';
 	SELECT idempotency.idem_outbox_enqueue('pulled', '{"n": 2}');
@@ -91,15 +96,18 @@ my $acked = $node->safe_psql('postgres', q{
 });
 ($acked) = reverse split /\n/, $acked;
 like($acked, qr/^\d+$/, 'a relay acknowledged a row, kept as published');
+$node->poll_query_until('postgres',
+	"SELECT published_at < now() - interval '1.5 s' FROM idempotency.outbox WHERE id = $acked")
+  or die "the acknowledged row never got older than 1.5 s";
 $node->safe_psql('postgres', q{
-	SET idempotency.outbox_retention = 0;
+	SET idempotency.outbox_retention = '1s';
 	SELECT * FROM idempotency.idem_run_maintenance();
 });
 is($node->safe_psql('postgres', qq{
 		SELECT string_agg(id::text || ' ' || state, ', ' ORDER BY id)
 		FROM idempotency.outbox WHERE id IN ($acked, $large)}),
 	"$large published",
-	'a purge with outbox_retention = 0 deletes the acknowledged row and keeps the truncated one');
+	'a purge with outbox_retention = 1s deletes the acknowledged row and keeps the truncated one');
 like($listener->query_safe($query), qr/^\{"blob": "x{9000}"\}/,
 	'the listener can still read it');
 

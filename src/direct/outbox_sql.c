@@ -516,7 +516,8 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * A walk of outbox_published from its oldest entry, stopping at the
 	 * batch: the rows past both come first and each is deleted; only once
 	 * they are gone does a batch read past the truncated rows still kept,
-	 * when outbox_retention is the shorter.
+	 * when outbox_retention is the shorter and not 0 (see
+	 * outbox_purge_published).
 	 */
 	[STMT_PURGE_PUBLISHED] = {
 		"DELETE FROM idempotency.outbox WHERE id IN ("
