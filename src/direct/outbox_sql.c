@@ -111,7 +111,9 @@
 	"                          'payload', p.payload, 'headers', p.headers," \
 	"                          'created_at', p.created_at)::text AS message," \
 	"        json_build_object('id', p.id, 'topic', p.topic, 'key', p.key," \
-	"                          'truncated', true)::text AS reference," \
+	"                          'truncated', true, 'read'," \
+	"                          'SELECT payload, headers, created_at" \
+	" FROM idempotency.outbox WHERE id = ' || p.id)::text AS reference," \
 	"        (SELECT max(e.id) FROM idempotency.outbox e" \
 	"         WHERE e.topic = p.topic AND e.key = p.key AND e.id < p.id" \
 	"           AND e.state <> 'published' AND e.published_at IS NULL) AS previous_id" \
@@ -475,6 +477,22 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		2, {INT8ARRAYOID, TIMESTAMPTZOID}
 	},
 	/*
+	 * The rows whose NOTIFY went out truncated (a reference the listener
+	 * reads the row by), kept whatever outbox_retention says: marked by
+	 * available_at 'infinity', which no other published row has (it says
+	 * when a pending row may go, and a leased one's lease ends), so that the
+	 * purge keeps them for idempotency.notify_truncated_retention however
+	 * the route or the settings change meanwhile.  available_at is in no
+	 * index, and a published row's is read by nothing else.
+	 */
+	[STMT_MARK_PUBLISHED_TRUNCATED] = {
+		"UPDATE idempotency.outbox"
+		" SET state = 'published', published_at = $2, attempts = attempts + 1,"
+		"     available_at = 'infinity'"
+		" WHERE id = ANY ($1)",
+		2, {INT8ARRAYOID, TIMESTAMPTZOID}
+	},
+	/*
 	 * $1 id, $2 error, $3 now, $4 max attempts, $5 backoff min, $6 backoff
 	 * max.  Only a pending row: a batch's candidates are, and locked, but a
 	 * row whose attempt is recorded after its transaction failed
@@ -491,13 +509,23 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		" WHERE id = $1 AND state = 'pending'",
 		6, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID}
 	},
-	/* $1 published before, $2 batch size */
+	/*
+	 * $1 published before (outbox_retention), $2 batch size, $3 published
+	 * before (notify_truncated_retention): the rows whose NOTIFY went out
+	 * truncated (STMT_MARK_PUBLISHED_TRUNCATED) go once both have passed.
+	 * A walk of outbox_published from its oldest entry, stopping at the
+	 * batch: the rows past both come first and each is deleted; only once
+	 * they are gone does a batch read past the truncated rows still kept,
+	 * when outbox_retention is the shorter and not 0 (see
+	 * outbox_purge_published).
+	 */
 	[STMT_PURGE_PUBLISHED] = {
 		"DELETE FROM idempotency.outbox WHERE id IN ("
 		"  SELECT id FROM idempotency.outbox"
 		"  WHERE state = 'published' AND published_at <= $1"
+		"    AND (published_at <= $3 OR available_at <> 'infinity')"
 		"  ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
-		2, {TIMESTAMPTZOID, INT4OID}
+		3, {TIMESTAMPTZOID, INT4OID, TIMESTAMPTZOID}
 	},
 };
 

@@ -35,6 +35,7 @@ int			idem_outbox_backoff_min_ms = 1000;
 int			idem_outbox_backoff_max_ms = 5 * 60 * 1000;
 int			idem_outbox_max_attempts = 10;
 int			idem_outbox_retention_s = 0;
+int			idem_notify_truncated_retention_s = 60 * 60;
 int			idem_naptime_ms = 1000;
 int			idem_purge_interval_ms = 10000;
 int			idem_purge_batch_size = 5000;
@@ -273,6 +274,23 @@ idem_define_gucs(void)
 							"0 deletes a row as soon as it is published or acknowledged.",
 							&idem_outbox_retention_s,
 							0, 0, INT_MAX,
+							PGC_SUSET,
+							GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.notify_truncated_retention",
+							"How long an outbox row whose NOTIFY payload was "
+							"truncated is kept after it is published.",
+							"A row routed to notify whose JSON is 8000 bytes or "
+							"more goes out as a reference, {\"id\": ..., "
+							"\"truncated\": true, \"read\": ...}, and the listener "
+							"reads the row itself, by id.  Such a row is kept at "
+							"least this long after it is published, whatever "
+							"idempotency.outbox_retention says (the longer of the "
+							"two applies).  0 keeps it only as long as "
+							"idempotency.outbox_retention keeps the other rows.",
+							&idem_notify_truncated_retention_s,
+							60 * 60, 0, INT_MAX,
 							PGC_SUSET,
 							GUC_UNIT_S,
 							NULL, NULL, NULL);
