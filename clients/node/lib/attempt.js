@@ -30,8 +30,10 @@ class Attempt {
     if (s.mode === 'one-transaction') {
       const client = await s.pool.connect();
       try {
-        await client.query('BEGIN');
-        ({ rows: [claim] } = await client.query(P.CLAIM, args));
+        // BEGIN and the claim in one round trip (the simple protocol, so
+        // the arguments are literals)
+        const [, result] = await client.query(`BEGIN; ${P.inline(client, P.CLAIM, args)}`);
+        [claim] = result.rows;
       } catch (error) {
         await this.#rollback(client);
         throw error;
@@ -78,19 +80,17 @@ class Attempt {
         return null;
       }
       try {
+        // the completion and COMMIT in one round trip; a released key (a
+        // transient answer) must not commit what the handler wrote, so the
+        // guard's division by zero aborts the transaction before COMMIT
         const stored = P.storedResponse(s, headers, body);
-        const { rows: [{ done }] } = await client.query(P.COMPLETE,
-          [this.scope, this.key, status, stored.body, stored.headers, this.attempt]);
-        if (done === 'released') {
-          // a transient answer: nothing the handler wrote remains
-          await this.#rollback(client);
-          return null;
-        }
-        await client.query('COMMIT');
+        await client.query(`${P.inline(client, P.COMPLETE_OR_ABORT,
+          [this.scope, this.key, status, stored.body, JSON.stringify(stored.headers), this.attempt])}; COMMIT`);
         client.release();
         return null;
       } catch (error) {
         await this.#rollback(client);
+        if (error.code === P.RELEASED) return null; // nothing the handler wrote remains
         s.log(`pg-idempotency: the response to key "${this.key}" could not be stored, and the handler's transaction was rolled back: ${error.message}`);
         return problemAnswer(500, 'Response not stored',
           'The request could not be completed; nothing was kept, and it may be retried.');

@@ -18,12 +18,27 @@ const CLAIM = `SELECT c.outcome, c.status_code, c.body, c.headers, c.attempt, c.
        (extract(epoch FROM c.lease_expires_at - clock_timestamp()) * 1000)::float8 AS lease_left_ms
 FROM idempotency.idem_claim($1, $2, $3, $4::interval, $5::interval, $6::interval) AS c`;
 const COMPLETE = 'SELECT idempotency.idem_complete($1, $2, $3, $4, $5, $6) AS done';
+// One-transaction mode: COMMIT follows in the same query string, and must
+// not run when the answer was released instead of stored (SQLSTATE RELEASED)
+const COMPLETE_OR_ABORT = `SELECT 1 / (idempotency.idem_complete($1, $2, $3, $4, $5::jsonb, $6) = 'stored')::int`;
+const RELEASED = '22012';
 const RELEASE = 'SELECT idempotency.idem_release($1, $2, $3)';
 const CHECKPOINT = 'SELECT idempotency.idem_checkpoint($1, $2, $3, $4)';
 const EXTEND = 'SELECT idempotency.idem_extend_lease($1, $2, $3, $4::interval)';
 
 // A claim that another attempt took over, or that ended meanwhile
 const LOST_CLAIM = new Set(['22I01', '22I02', '22I03']);
+
+// A statement with its $n parameters as literals, for a query string of
+// several statements (node-postgres sends those by the simple protocol)
+function inline(client, sql, args) {
+  return sql.replace(/\$(\d+)/g, (_, n) => {
+    const value = args[n - 1];
+    if (value === null || value === undefined) return 'NULL';
+    if (typeof value === 'number') return String(value);
+    return client.escapeLiteral(String(value));
+  });
+}
 
 // A duration option: milliseconds, or a PostgreSQL interval as text
 function interval(value) {
@@ -170,7 +185,7 @@ function answerTo(claim) {
 }
 
 module.exports = {
-  CLAIM, COMPLETE, RELEASE, CHECKPOINT, EXTEND, LOST_CLAIM, MISSING_KEY,
-  interval, settings, problem, readKey, principalOf, pathOf, boundScope,
+  CLAIM, COMPLETE, COMPLETE_OR_ABORT, RELEASED, RELEASE, CHECKPOINT, EXTEND, LOST_CLAIM, MISSING_KEY,
+  inline, interval, settings, problem, readKey, principalOf, pathOf, boundScope,
   storedResponse, answerTo, claimArgs,
 };
