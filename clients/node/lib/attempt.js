@@ -39,7 +39,9 @@ class Attempt {
         throw error;
       }
       if (claim.outcome !== 'claimed') {
-        await this.#rollback(client);
+        // the answer does not wait for the ROLLBACK of a transaction that
+        // wrote nothing; the client goes back to the pool after it
+        this.#rollback(client);
         return P.answerTo(claim);
       }
       this.client = client;
