@@ -129,6 +129,7 @@ if ! command -v wrk >/dev/null; then
 		exit 1
 	fi
 	echo "installing: wrk"
+	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends wrk >/dev/null
 fi
 if [ ! -f "$("$PG_CONFIG" --sharedir)/extension/idempotency.control" ]; then
