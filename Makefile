@@ -95,7 +95,7 @@ $(OBJS): $(wildcard src/*.h src/*/*.h)
 include-graph:
 	python3 scripts/include-graph.py
 
-.PHONY: test demo bench bench-citus test-matrix check-regress check-isolation check-tap check-citus check-examples check-installcheck
+.PHONY: test demo bench bench-http bench-citus test-matrix check-regress check-isolation check-tap check-citus check-examples check-installcheck
 
 # The scripts pick the server version themselves (scripts/common.sh): a
 # PG_CONFIG or PG_MAJOR given on make's command line or in the environment
@@ -110,6 +110,10 @@ demo:
 
 bench:
 	scripts/bench.sh
+
+# the HTTP middleware against its handler alone (FRAMEWORKS="express fastapi")
+bench-http:
+	bench/http.sh
 
 # MATRIX="17 18" (or suite names) picks a subset
 test-matrix:
