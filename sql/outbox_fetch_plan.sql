@@ -84,7 +84,7 @@ SELECT ids = (SELECT array_agg(id ORDER BY id)
 			  FROM (SELECT id, row_number() OVER (PARTITION BY key ORDER BY id) AS nth
 					FROM outbox WHERE topic = 'plan-keys') o WHERE nth <= 5)
 		AS five_oldest_of_each_key,
-	   seq_scans = 0 AS no_seq_scan, index_entries <= 2000 + 200 AS one_walk
+	   seq_scans = 0 AS no_seq_scan, index_entries <= 2000 + 400 AS one_walk
 FROM fetch_reads('plan-keys', 20, 5);
 
 -- A session's plan_cache_mode does not bring the custom plans back.
