@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 #
 # make bench: install what is missing, build and install the extension, and
-# run bench/run.py (a throwaway cluster; about 12 minutes).  Not part of
+# run bench/run.py (a throwaway cluster; about 15 minutes).  Not part of
 # make test: timing is never a test.
 #
 # run.py starts psql and pgbench as the runner (the "postgres" OS user when

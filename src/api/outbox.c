@@ -723,7 +723,7 @@ find_heads(Datum *params, char *nulls, int32 batch, int per_key, Heads *heads)
 	heads->keys = palloc(sizeof(Datum) * heads->capacity);
 	heads->follows = palloc(sizeof(bool) * heads->capacity);
 
-	portal = SPI_cursor_open(NULL, outbox_plan(STMT_FETCH_SCAN), params, nulls, false);
+	portal = outbox_sql_cursor_open(STMT_FETCH_SCAN, params, nulls);
 	while (heads->count < (uint64) batch)
 	{
 		/* a chunk: as many rows as heads are still wanted, within reason */

@@ -104,6 +104,8 @@ extern void outbox_sql_end(OutboxSqlContext *context);
 extern SPIPlanPtr outbox_plan(OutboxStatement statement);
 extern uint64 outbox_sql_run(OutboxStatement statement, Datum *values,
 							 const char *nulls);
+extern Portal outbox_sql_cursor_open(OutboxStatement statement, Datum *values,
+									 const char *nulls);
 extern uint64 outbox_sql_run_snapshot(OutboxStatement statement, Datum *values,
 									 const char *nulls, Snapshot snapshot);
 
