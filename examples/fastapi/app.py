@@ -71,7 +71,7 @@ database = idempotency_connection if MIDDLEWARE else own_connection
 
 @app.post("/orders", status_code=201)
 async def create_order(order: Order, request: Request,
-                       conn: psycopg.AsyncConnection[Any] = Depends(database)) -> Any:
+                       conn: psycopg.AsyncConnection[Any] = Depends(database)):
     if HOOKS and "x-fail-status" in request.headers:
         status = int(request.headers["x-fail-status"])
         return JSONResponse({"error": "failing as asked"}, status_code=status)

@@ -270,7 +270,8 @@ class Context:
     ``conn`` is the transaction of the claim (one-transaction mode; None in
     the two-transaction mode). ``attempt`` and ``recovery_point`` come from
     the claim: an attempt above 1 took the key over, and ``recovery_point``
-    is how far the last attempt got (``checkpoint``).
+    is how far the last attempt got (``checkpoint``). ``lost`` turns true
+    when the heartbeat or a checkpoint finds that a retry took the key over.
     """
 
     key: str

@@ -91,7 +91,7 @@ class IdempotencyMiddleware:
         if isinstance(key, Answer):
             return _response(key)
 
-        method = request.method or "POST"
+        method = str(request.method)
         if self.options.scope is not None:
             scope = str(self.options.scope(request))
         else:
