@@ -26,7 +26,7 @@ fi
 export EXAMPLE_DIR=$PWD EXAMPLE_TMP=${EXAMPLE_TMP:-$(mktemp -d)} PYTHONDONTWRITEBYTECODE=1
 mkdir -p "$EXAMPLE_TMP"
 status=0
-$PY -m pytest -q -p no:cacheprovider ../orders_test.py || status=$?
+$PY -m pytest -q -p no:cacheprovider --durations=3 ../orders_test.py || status=$?
 if [ $status -ne 0 ]; then
 	echo "-- $EXAMPLE_TMP/serve.log (last 40 lines)"
 	tail -n 40 "$EXAMPLE_TMP/serve.log"
