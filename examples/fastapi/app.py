@@ -93,9 +93,16 @@ async def main(port: int) -> None:
         await conn.execute(SCHEMA)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", access_log=False))
+    async def announce() -> None:  # what bench/http.sh waits for
+        while not server.started:
+            await asyncio.sleep(0.01)
+        print(f"listening on http://127.0.0.1:{port}", flush=True)
+
+    announced = asyncio.create_task(announce())
     try:
         await server.serve()
     finally:
+        announced.cancel()
         await pool.close()
 
 
