@@ -31,6 +31,18 @@ command -v python3 >/dev/null || missing+=(python3)
 # the example's lockfile), pgbouncer, and pg_cron; and for the fuzz suite,
 # Debian's sqlsmith.
 /usr/bin/python3 -c 'import psycopg' 2>/dev/null || missing+=(python3-psycopg)
+# clients/python and examples/{fastapi,django,flask}: the frameworks, their
+# servers, pytest, and what the offline `pip install` of the package needs
+# (a venv: ensurepip; the build: setuptools and wheel). Django 3.2
+# (bookworm) runs on psycopg2, later ones on psycopg 3.
+for module in psycopg_pool:python3-psycopg-pool fastapi:python3-fastapi \
+	starlette:python3-starlette uvicorn:python3-uvicorn django:python3-django \
+	flask:python3-flask gunicorn:python3-gunicorn pytest:python3-pytest \
+	ensurepip:python3-venv setuptools:python3-setuptools wheel:python3-wheel; do
+	/usr/bin/python3 -c "import ${module%%:*}" 2>/dev/null || missing+=("${module#*:}")
+done
+/usr/bin/python3 -c 'import django, sys; sys.exit(django.VERSION < (4, 2))' 2>/dev/null ||
+	/usr/bin/python3 -c 'import psycopg2' 2>/dev/null || missing+=(python3-psycopg2)
 command -v node >/dev/null || missing+=(nodejs)
 command -v npm >/dev/null || missing+=(npm)
 [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
