@@ -21,7 +21,6 @@
 CREATE FUNCTION idempotency._check_event_ids(event_ids text[])
 RETURNS void
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
 	lower_bound integer;
@@ -53,7 +52,6 @@ $$;
 CREATE FUNCTION idempotency._mark_event(p_consumer text, p_event_id text, p_retention interval)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
 	now_ts timestamptz;

@@ -54,14 +54,9 @@ DECLARE
 	p_ttl interval := $4;
 	p_lease interval := $5;
 	p_wait ALIAS FOR $6;
-	looked record;
-	k idempotency.keys;
-	k_xmin xid;
-	k_ctid tid;
+	k record;
 	found_row boolean;
-	result idempotency.claim_result;
 	now_ts timestamptz;
-	lease_end timestamptz;
 	deadline timestamptz;
 	remaining interval;
 	lock_id bigint;
@@ -69,13 +64,18 @@ DECLARE
 	busy boolean;
 	claimed boolean;
 BEGIN
+	/* the arguments, checked as the C edition checks them, in its order */
 	IF p_scope IS NULL OR p_key IS NULL OR octet_length(p_scope) > 255
 		OR octet_length(p_key) NOT BETWEEN 1 AND 255 THEN
 		PERFORM idempotency._check_identifier(p_scope, 'scope', 0);
 		PERFORM idempotency._check_identifier(p_key, 'key', 1);
 	END IF;
-	p_ttl := idempotency._duration_arg(p_ttl, 'ttl', 'idempotency.key_ttl', 's', 86400);
-	p_lease := idempotency._duration_arg(p_lease, 'lease', 'idempotency.lease', 'ms', 60000);
+	IF p_ttl IS NOT NULL AND now() + p_ttl <= now() THEN
+		PERFORM idempotency._duration_arg(p_ttl, 'ttl', 'idempotency.key_ttl', 's', 86400);
+	END IF;
+	IF p_lease IS NOT NULL AND now() + p_lease <= now() THEN
+		PERFORM idempotency._duration_arg(p_lease, 'lease', 'idempotency.lease', 'ms', 60000);
+	END IF;
 	IF p_wait IS NOT NULL THEN
 		now_ts := clock_timestamp();
 		IF now_ts + p_wait < now_ts THEN
@@ -91,21 +91,13 @@ BEGIN
 	IF current_setting('transaction_read_only') = 'on' THEN
 		PERFORM idempotency._require_writable('idem_claim()');
 	END IF;
-	lock_id := idempotency._lock_id('k', p_scope, p_key);
 
 	LOOP
-		SELECT k0 AS k, k0.xmin AS x, k0.ctid AS t INTO looked
+		SELECT k0.*, k0.xmin AS row_xmin, k0.ctid AS row_ctid INTO k
 		FROM idempotency.keys AS k0
 		WHERE k0.scope = p_scope AND k0.key = p_key;
 		found_row := FOUND;
-		IF found_row THEN
-			k := looked.k;
-			k_xmin := looked.x;
-			k_ctid := looked.t;
-		END IF;
 		now_ts := clock_timestamp();
-		busy := false;
-		claimed := false;
 
 		IF NOT found_row THEN
 			decision := 'new';
@@ -117,7 +109,7 @@ BEGIN
 		ELSIF k.status_code IS NOT NULL THEN
 			RETURN ROW('replay', k.status_code, k.body, k.headers, k.attempt, k.recovery_point,
 					   k.created_at, NULL, k.expires_at)::idempotency.claim_result;
-		ELSIF idempotency._written_by_us(k_xmin) THEN
+		ELSIF idempotency._written_by_us(k.row_xmin) THEN
 			decision := 'mine';		/* never taken over (nor waited for) by its own transaction */
 		ELSIF k.lease_expires_at > now_ts THEN
 			decision := 'held';
@@ -125,7 +117,19 @@ BEGIN
 			decision := 'takeover';
 		END IF;
 
+		busy := false;
 		IF decision IN ('new', 'reset', 'takeover') THEN
+			/* the settings' defaults are read (and checked) only to write */
+			IF p_ttl IS NULL THEN
+				p_ttl := idempotency._duration_setting('idempotency.key_ttl', 's', 86400);
+			END IF;
+			IF p_lease IS NULL THEN
+				p_lease := idempotency._duration_setting('idempotency.lease', 'ms', 60000);
+			END IF;
+			IF lock_id IS NULL THEN
+				lock_id := idempotency._lock_id('k', p_scope, p_key);
+			END IF;
+			claimed := false;
 			BEGIN
 				IF NOT pg_try_advisory_xact_lock(lock_id) THEN
 					busy := true;	/* another transaction is writing the key */
@@ -136,8 +140,7 @@ BEGIN
 							 status_code, body, headers, ttl, created_at, completed_at, expires_at)
 						VALUES (p_scope, p_key, p_fingerprint, 1, NULL, now_ts + p_lease,
 								NULL, NULL, NULL, p_ttl, now_ts, NULL, now_ts + p_lease + p_ttl)
-						ON CONFLICT DO NOTHING
-						RETURNING k1.* INTO k;
+						ON CONFLICT DO NOTHING;
 					ELSE
 						IF decision = 'takeover' AND k.attempt = 2147483647 THEN
 							RAISE EXCEPTION 'key has been taken over too many times'
@@ -156,9 +159,8 @@ BEGIN
 							created_at = CASE WHEN decision = 'takeover' THEN k1.created_at ELSE now_ts END,
 							completed_at = NULL,
 							expires_at = now_ts + p_lease + p_ttl
-						WHERE k1.ctid = k_ctid AND k1.xmin = k_xmin
-							AND k1.scope = p_scope AND k1.key = p_key
-						RETURNING k1.* INTO k;
+						WHERE k1.ctid = k.row_ctid AND k1.xmin = k.row_xmin
+							AND k1.scope = p_scope AND k1.key = p_key;
 					END IF;
 					IF NOT FOUND THEN
 						/* the key changed since it was read: let the lock go, look again */
@@ -170,8 +172,11 @@ BEGIN
 				NULL;
 			END;
 			IF claimed THEN
-				RETURN ROW('claimed', NULL, NULL, NULL, k.attempt, k.recovery_point, k.created_at,
-						   k.lease_expires_at, NULL)::idempotency.claim_result;
+				RETURN ROW('claimed', NULL, NULL, NULL,
+						   CASE WHEN decision = 'takeover' THEN k.attempt + 1 ELSE 1 END,
+						   CASE WHEN decision = 'takeover' THEN k.recovery_point END,
+						   CASE WHEN decision = 'takeover' THEN k.created_at ELSE now_ts END,
+						   now_ts + p_lease, NULL)::idempotency.claim_result;
 			END IF;
 			CONTINUE WHEN NOT busy;
 		END IF;
@@ -199,9 +204,8 @@ BEGIN
 					END;
 				ELSE
 					/* a committed claim: look again in 10 ms, or at its lease's end */
-					lease_end := k.lease_expires_at;
 					PERFORM pg_sleep(greatest(0.001, extract(epoch FROM
-						least(remaining, interval '10 ms', coalesce(lease_end - now_ts, remaining)))));
+						least(remaining, interval '10 ms', k.lease_expires_at - now_ts))));
 				END IF;
 				CONTINUE;
 			END IF;
@@ -227,7 +231,6 @@ CREATE FUNCTION idempotency._find_claim(p_scope text, p_key text, p_attempt inte
 										function_name text)
 RETURNS idempotency.keys
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
 	k idempotency.keys;

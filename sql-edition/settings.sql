@@ -6,6 +6,12 @@
  * checking it there with the errors the C edition's SET gives.  Unset, or
  * set to '' (which RESET leaves, and which SQL cannot tell from unset), a
  * setting has its default.
+ *
+ * The helpers here (and the underscore functions of the other files) have
+ * no SET search_path of their own: they run inside the API functions,
+ * whose search_path is pinned to pg_catalog, pg_temp, and a SET clause
+ * would cost each call a save and restore of the setting (and keep the SQL
+ * functions from being inlined).  Only the owner could call them directly.
  */
 
 /*
@@ -18,7 +24,6 @@
 CREATE FUNCTION idempotency._duration_setting(name text, base_unit text, default_units bigint)
 RETURNS interval
 LANGUAGE plpgsql STABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
 	value text := current_setting(name, true);
@@ -71,7 +76,6 @@ $$;
 CREATE FUNCTION idempotency._status_is_released(status_code integer)
 RETURNS boolean
 LANGUAGE plpgsql STABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
 	value text := current_setting('idempotency.release_statuses', true);
@@ -140,7 +144,6 @@ CREATE FUNCTION idempotency._check_identifier(value text, name text, min_bytes i
 											  subscript integer DEFAULT NULL)
 RETURNS void
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
 	what text := CASE WHEN subscript IS NULL THEN name ELSE format('%s[%s]', name, subscript) END;
@@ -168,7 +171,6 @@ CREATE FUNCTION idempotency._duration_arg(span interval, name text, setting text
 										  base_unit text, default_units bigint)
 RETURNS interval
 LANGUAGE plpgsql STABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
 	IF span IS NULL THEN
@@ -190,7 +192,6 @@ $$;
 CREATE FUNCTION idempotency._require_writable(function_name text)
 RETURNS void
 LANGUAGE plpgsql STABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
 	IF current_setting('transaction_read_only') = 'on' THEN
