@@ -157,11 +157,20 @@ BEGIN
 		ON CONFLICT DO NOTHING
 		RETURNING e.event_id)
 	SELECT coalesce(array_agg(inserted.event_id), '{}') INTO new_ids FROM inserted;
-	/* the rest were there: each, in order, renewed if past its retention */
+	/*
+	 * The rest were there, committed (a mark in flight was waited for): a
+	 * duplicate, unless past its retention (or purged since), which is
+	 * marked again one by one, in the same order.
+	 */
 	IF cardinality(new_ids) < (SELECT count(DISTINCT u.id COLLATE "C") FROM unnest($2) AS u (id)) THEN
+		now_ts := clock_timestamp();
 		FOR id IN
-			SELECT DISTINCT u.id COLLATE "C" FROM unnest($2) AS u (id)
-			WHERE u.id <> ALL (new_ids) ORDER BY 1
+			SELECT d.id
+			FROM (SELECT DISTINCT u.id COLLATE "C" AS id FROM unnest($2) AS u (id)
+				  WHERE u.id <> ALL (new_ids)) AS d
+			LEFT JOIN idempotency.processed_events AS e ON e.consumer = $1 AND e.event_id = d.id
+			WHERE e.event_id IS NULL OR e.expires_at <= now_ts
+			ORDER BY d.id
 		LOOP
 			IF idempotency._mark_event($1, id, p_retention) THEN
 				new_ids := new_ids || id;

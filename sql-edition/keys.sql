@@ -303,7 +303,12 @@ BEGIN
 			USING ERRCODE = 'invalid_parameter_value',
 				  DETAIL = 'HTTP status codes are between 100 and 599.';
 	END IF;
-	released := idempotency._status_is_released($3);
+	/* the default list inline; a list that is set is parsed */
+	IF coalesce(current_setting('idempotency.release_statuses', true), '') = '' THEN
+		released := $3 IN (408, 425, 429) OR $3 BETWEEN 500 AND 599;
+	ELSE
+		released := idempotency._status_is_released($3);
+	END IF;
 	k := idempotency._find_claim($1, $2, $6, 'idem_complete()');
 	IF released THEN
 		DELETE FROM idempotency.keys AS k1 WHERE k1.scope = $1 AND k1.key = $2;
