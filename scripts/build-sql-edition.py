@@ -6,7 +6,7 @@ from the C edition's own scripts and the edition's functions in sql-edition/.
 The tables, types, views, comments and grants have one source: the C
 edition's scripts (idempotency--1.0.sql and the update scripts along the
 path to idempotency.control's default_version).  They are taken as they are,
-with four mechanical changes, each checked:
+with these mechanical changes, each checked:
 
   - the "\\echo ... \\quit" guard line goes (the file is run by psql -f);
   - pg_extension_config_dump() calls go (there is no extension to dump);
@@ -15,6 +15,8 @@ with four mechanical changes, each checked:
     parallel safety and ROWS, as a PL/pgSQL stub that raises 0A000; the two
     helpers that the C scripts call while they run (_warn_without_preload,
     _carry_grants) get the bodies in sql-edition/inline/<symbol>.sql;
+  - the scripts' SELECT calls of those helpers run in DO blocks (a SELECT
+    prints a row under psql -f; a good install prints nothing);
   - nothing else: any other "LANGUAGE C" or MODULE_PATHNAME is an error.
 
 Then the edition's functions (sql-edition/*.sql, CREATE OR REPLACE FUNCTION)
@@ -118,6 +120,10 @@ def transform(script, text, stubs):
                 f"LANGUAGE plpgsql{attrs}\nAS {body};")
 
     text = C_FUNCTION.sub(replace, text)
+    # the calls of those helpers print a result row each under psql -f: run
+    # them in a DO block instead, so that a good install prints nothing
+    text = re.sub(r"^SELECT (idempotency\._\w+\([^;]*\));$",
+                  r"DO $call$ BEGIN PERFORM \1; END $call$;", text, flags=re.M | re.S)
     for leftover in ("MODULE_PATHNAME", "LANGUAGE C"):
         if leftover in text:
             line = text[:text.index(leftover)].count("\n") + 1

@@ -106,6 +106,7 @@ psql_sql -U "$user" -d sql_edition -c "REVOKE CREATE ON SCHEMA public FROM PUBLI
 	-c "GRANT CREATE ON DATABASE sql_edition TO idem_owner" || exit 1
 psql_sql -U idem_owner -d sql_edition -f "$script" >"$work/install.out" 2>&1 ||
 	{ cat "$work/install.out"; fail "the script failed as a role with only CREATE on the database"; }
+[ ! -s "$work/install.out" ] || { cat "$work/install.out"; fail "the script printed something (above) where it should print nothing"; }
 psql_sql -U "$user" -d sql_edition -f sql-edition/test/catalog.sql >"$work/catalog-sql.txt" || exit 1
 if psql_sql -U idem_owner -d sql_edition -f "$script" >"$work/install-again.out" 2>&1; then
 	fail "the script ran twice"
