@@ -29,6 +29,7 @@ says which in its header.  The whole is one transaction.
   scripts/build-sql-edition.py [--out DIR]
 """
 import argparse
+import textwrap
 import os
 import re
 import sys
@@ -103,7 +104,7 @@ def stub_body(name):
 
 
 def transform(script, text, stubs):
-    text, n = re.subn(r"^\\echo .*\\quit\n", "", text, flags=re.M)
+    text, n = re.subn(r"^(-- complain if script is sourced in psql.*\n)?\\echo .*\\quit\n", "", text, flags=re.M)
     if n != 1:
         fail(f"{script}: expected one \\echo ... \\quit guard line, found {n}")
     text = re.sub(r"^SELECT pg_catalog\.pg_extension_config_dump\([^;]*\);\n", "", text, flags=re.M)
@@ -157,6 +158,7 @@ def main():
     if missing:
         fail(f"NOT_YET names functions the C scripts do not create: {', '.join(missing)}")
 
+    not_yet = "\n * ".join(textwrap.wrap(", ".join(sorted(NOT_YET)), 72))
     header = f"""/*
  * idempotency {version}, the SQL edition: PL/pgSQL and SQL only, for servers
  * where the C edition cannot be installed (no superuser, no C library, no
@@ -175,7 +177,7 @@ def main():
  * This version has the idempotency keys, consumer deduplication and
  * fingerprints.  The outbox and maintenance come next: their tables exist
  * (the idempotency.stats view reads them), and their functions
- * ({', '.join(sorted(NOT_YET))})
+ * ({not_yet})
  * raise 0A000 until then.  How the editions differ: doc/internals.md.
  */
 
