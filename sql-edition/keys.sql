@@ -309,6 +309,26 @@ BEGIN
 	ELSE
 		released := idempotency._status_is_released($3);
 	END IF;
+	/*
+	 * The common case first: valid arguments, a writable transaction, the
+	 * key's lock free (or ours) and the claim there, in progress, of this
+	 * attempt.  Anything else goes through _find_claim, which waits where
+	 * the C edition waits and raises its errors.
+	 */
+	IF NOT released AND $1 IS NOT NULL AND $2 IS NOT NULL AND octet_length($1) <= 255
+		AND octet_length($2) BETWEEN 1 AND 255
+		AND current_setting('transaction_read_only') = 'off'
+		AND pg_try_advisory_xact_lock(idempotency._lock_id('k', $1, $2)) THEN
+		now_ts := clock_timestamp();
+		UPDATE idempotency.keys AS k1
+		SET status_code = $3, body = $4, headers = $5, lease_expires_at = NULL,
+			completed_at = now_ts, expires_at = now_ts + k1.ttl
+		WHERE k1.scope = $1 AND k1.key = $2 AND k1.status_code IS NULL
+			AND k1.expires_at > now_ts AND ($6 IS NULL OR k1.attempt = $6);
+		IF FOUND THEN
+			RETURN 'stored';
+		END IF;
+	END IF;
 	k := idempotency._find_claim($1, $2, $6, 'idem_complete()');
 	IF released THEN
 		DELETE FROM idempotency.keys AS k1 WHERE k1.scope = $1 AND k1.key = $2;
