@@ -94,7 +94,11 @@ BEGIN
 		PERFORM idempotency._check_identifier($1, 'consumer', 1);
 		PERFORM idempotency._check_identifier($2, 'event_id', 1);
 	END IF;
-	p_retention := idempotency._duration_arg($3, 'retention', 'idempotency.event_retention', 's', 1209600);
+	IF $3 IS NULL AND coalesce(current_setting('idempotency.event_retention', true), '') = '' THEN
+		p_retention := interval '336 hours';	/* the default, 14 days, as the C edition makes it */
+	ELSE
+		p_retention := idempotency._duration_arg($3, 'retention', 'idempotency.event_retention', 's', 1209600);
+	END IF;
 	IF current_setting('transaction_read_only') = 'on' THEN
 		PERFORM idempotency._require_writable('idem_mark_processed()');
 	END IF;

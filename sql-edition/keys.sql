@@ -121,10 +121,14 @@ BEGIN
 		IF decision IN ('new', 'reset', 'takeover') THEN
 			/* the settings' defaults are read (and checked) only to write */
 			IF p_ttl IS NULL THEN
-				p_ttl := idempotency._duration_setting('idempotency.key_ttl', 's', 86400);
+				p_ttl := CASE WHEN coalesce(current_setting('idempotency.key_ttl', true), '') = ''
+						 THEN interval '24 hours'
+						 ELSE idempotency._duration_setting('idempotency.key_ttl', 's', 86400) END;
 			END IF;
 			IF p_lease IS NULL THEN
-				p_lease := idempotency._duration_setting('idempotency.lease', 'ms', 60000);
+				p_lease := CASE WHEN coalesce(current_setting('idempotency.lease', true), '') = ''
+						   THEN interval '1 minute'
+						   ELSE idempotency._duration_setting('idempotency.lease', 'ms', 60000) END;
 			END IF;
 			IF lock_id IS NULL THEN
 				lock_id := idempotency._lock_id('k', p_scope, p_key);
