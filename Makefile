@@ -167,6 +167,20 @@ check-installcheck:
 	PG_CONFIG=$(PG_CONFIG) scripts/with-server.sh \
 		$(MAKE) --no-print-directory PG_CONFIG=$(PG_CONFIG) installcheck TAP_TESTS=
 
+# The SQL edition (sql-edition/, PL/pgSQL and SQL only, for servers without
+# the C library): dist/idempotency-sql--<version>.sql, assembled from the C
+# edition's scripts and sql-edition/*.sql (scripts/build-sql-edition.py)
+.PHONY: dist check-sql-edition
+dist:
+	python3 scripts/build-sql-edition.py
+
+# The SQL edition installed by a role without superuser on a server without
+# the C library, its catalog compared with the C edition's, and the C
+# edition's key and event tests run against it, with the differences of
+# sql-edition/differences.patch (scripts/check-sql-edition.sh)
+check-sql-edition:
+	PG_CONFIG=$(PG_CONFIG) scripts/check-sql-edition.sh
+
 # The Debian package (debian/, pg_buildext): built in a scratch copy,
 # installed, and tested with installcheck against the installed library
 # (as root; scripts/check-deb.sh)

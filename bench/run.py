@@ -80,6 +80,17 @@ PAIRS = [
      None),
 ]
 
+# EDITION=sql: the SQL edition (make dist's script, which scripts/bench.sh
+# builds and names in BENCH_SQL_EDITION) against the C edition, in the same
+# run: the lines of bench_edition, each with its ratio SQL / C
+EDITION = os.environ.get("EDITION", "c")
+SQL_EDITION_SCRIPT = os.environ.get("BENCH_SQL_EDITION", "")
+EDITION_LINES = [
+    ("replay", "replay.sql"),
+    ("claim_complete", "claim_complete.sql"),
+    ("mark_processed", "mark_processed.sql"),
+]
+
 PG_CONFIG = os.environ.get("PG_CONFIG", "/usr/lib/postgresql/15/bin/pg_config")
 PGBIN = subprocess.run([PG_CONFIG, "--bindir"], capture_output=True, text=True,
                        check=True).stdout.strip()
@@ -89,7 +100,7 @@ AS_RUNNER = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
 class Cluster:
     """A throwaway cluster on a unix socket, removed on exit."""
 
-    def __init__(self, extra_conf="", port_offset=0):
+    def __init__(self, extra_conf="", port_offset=0, preload=True):
         self.dir = tempfile.mkdtemp(prefix="idempotency-bench.")
         os.chmod(self.dir, 0o755)
         if os.geteuid() == 0:
@@ -99,8 +110,8 @@ class Cluster:
         self.run([f"{PGBIN}/initdb", "-D", f"{self.dir}/data", "-A", "trust",
                   "-U", "postgres", "--no-sync"], quiet=True)
         with open(f"{self.dir}/data/postgresql.conf", "a") as conf:
-            conf.write(f"""
-shared_preload_libraries = 'idempotency'
+            conf.write(("shared_preload_libraries = 'idempotency'\n"
+                        "idempotency.naptime = '100ms'\n" if preload else "") + f"""
 listen_addresses = ''
 unix_socket_directories = '{self.dir}'
 port = {self.port}
@@ -109,7 +120,6 @@ fsync = on
 synchronous_commit = on
 max_connections = 100
 max_wal_size = 4GB
-idempotency.naptime = '100ms'
 """ + os.environ.get("BENCH_EXTRA_CONF", "").replace(";", "\n") + "\n" + extra_conf)
         self.run([f"{PGBIN}/pg_ctl", "-D", f"{self.dir}/data", "-l",
                   f"{self.dir}/server.log", "-w", "start"], quiet=True)
@@ -927,6 +937,63 @@ def bench_wait():
     return results
 
 
+REPLAY_ROWS = """
+INSERT INTO idempotency.keys (scope, key, fingerprint, attempt, status_code, body, headers,
+                              ttl, created_at, completed_at, expires_at)
+SELECT 'replay', n::text, NULL, 1, 201, '{"id": ' || n || ', "status": "created"}',
+       '{"Location": "/payments/1"}', '24 hours', now(), now(), now() + interval '24 hours'
+FROM generate_series(1, 100000) n"""
+
+
+def bench_edition(summary):
+    """The SQL edition against the C edition, in the same run: two fresh
+    clusters from the same binaries and settings, one preloading the library
+    (CREATE EXTENSION), the other without it, where a role that only holds
+    CREATE on the database ran make dist's script; each with the same
+    100,000 stored responses.  Each line's rounds alternate which edition
+    goes first; the ratio is the median of the rounds' SQL / C."""
+    if not SQL_EDITION_SCRIPT:
+        raise SystemExit("EDITION=sql needs BENCH_SQL_EDITION: make bench builds the script")
+    c_cluster = Cluster(port_offset=1)
+    sql_cluster = Cluster(port_offset=2, preload=False)
+    try:
+        c_cluster.psql("CREATE EXTENSION idempotency")
+        sql_cluster.psql("CREATE ROLE idem_owner LOGIN; "
+                         "GRANT CREATE ON DATABASE postgres TO idem_owner")
+        sql_cluster.run([f"{PGBIN}/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", sql_cluster.dir,
+                         "-p", str(sql_cluster.port), "-U", "idem_owner", "-d", "postgres",
+                         "-f", SQL_EDITION_SCRIPT])
+        for cluster in (c_cluster, sql_cluster):
+            cluster.psql(REPLAY_ROWS)
+        print(f"\n== the SQL edition against the C edition ({CLIENTS} clients, {SECONDS} s,"
+              f" {ROUNDS} rounds alternating)")
+        header = f"{'workload':28} {'SQL tps':>10} {'lat ms':>7} {'C tps':>10} {'lat ms':>7} {'SQL/C':>6}"
+        print(header)
+        print("-" * len(header))
+        for name, script in EDITION_LINES:
+            results = {"sql": [], "c": []}
+            for round_no in range(ROUNDS):
+                order = [("sql", sql_cluster), ("c", c_cluster)]
+                if round_no % 2:
+                    order.reverse()
+                for side, cluster in order:
+                    cluster.psql("VACUUM (ANALYZE) idempotency.keys, idempotency.processed_events")
+                    cluster.psql("CHECKPOINT")
+                    results[side].append(cluster.pgbench(script, SECONDS))
+            ratios = [sql_tps / c_tps for (sql_tps, _), (c_tps, _) in zip(results["sql"], results["c"])]
+            ratio = statistics.median(ratios)
+            median = {side: (statistics.median(t for t, _ in runs), statistics.median(l for _, l in runs))
+                      for side, runs in results.items()}
+            print(f"{name:28} {median['sql'][0]:10.0f} {median['sql'][1]:7.2f} "
+                  f"{median['c'][0]:10.0f} {median['c'][1]:7.2f} {ratio:6.2f}", flush=True)
+            print(f"   ratio in each round: {' '.join(f'{r:.2f}' for r in ratios)}; load {load()}",
+                  flush=True)
+            summary[f"sql_edition_{name}"] = round(ratio, 3)
+    finally:
+        c_cluster.stop()
+        sql_cluster.stop()
+
+
 def mb(size):
     """A (heap, indexes) size as the cycle lines print it."""
     return f"{sum(size) / 2**20:.0f} MB (heap {size[0] / 2**20:.0f} + indexes {size[1] / 2**20:.0f})"
@@ -1001,6 +1068,8 @@ def main():
                   f"  ratio {ratio:.2f}", flush=True)
 
         pair_tables_autovacuum(cluster, True)
+        if EDITION == "sql":
+            bench_edition(summary)
         if "outbox" in PARTS:
             bench_outbox(cluster, summary)
         if "endtoend" in PARTS:

@@ -24,6 +24,8 @@ command -v make >/dev/null || missing+=(make)
 command -v prove >/dev/null || missing+=(perl)
 perl -MIPC::Run -e 1 2>/dev/null || missing+=(libipc-run-perl)
 command -v python3 >/dev/null || missing+=(python3)
+# the SQL edition's suite applies sql-edition/differences.patch to the tests
+command -v patch >/dev/null || missing+=(patch)
 
 # The integrations that make test drives for real (examples/, t/007, t/008):
 # the HTTP example (Debian's psycopg 3, for the system python3), the Node

@@ -18,6 +18,11 @@
 #               bounded to about two minutes (scripts/check-fuzz.sh)
 #   docs        every ```sql example of README.md and doc/, run in a fresh
 #               database per file (scripts/check-docs.sh)
+#   sql-edition the SQL edition (make dist), installed by a role without
+#               superuser on a server without the C library; its catalog
+#               against the C edition's, and the key and event suites
+#               against it, with sql-edition/differences.patch
+#               (scripts/check-sql-edition.sh)
 #
 # Every suite runs even when an earlier one fails; the summary at the end
 # lists each, and the exit status is non-zero if any failed.  SUITES picks a
@@ -48,13 +53,13 @@ else
 	trap 'rm -rf "$work"' EXIT
 fi
 tar --exclude=./.git --exclude='./tmp_check*' --exclude=./results --exclude=./output_iso \
-	--exclude=node_modules \
+	--exclude=node_modules --exclude=./dist \
 	-cf - . | tar -C "$work" -xf -
 [ "$(id -u)" -eq 0 ] && chown -R "$RUN_AS" "$work"
 
 summary=()
 status=0
-for suite in ${SUITES:-installcheck tap citus examples fuzz docs}; do
+for suite in ${SUITES:-installcheck tap citus examples fuzz docs sql-edition}; do
 	echo
 	echo "== $suite"
 	# the Citus suite needs Citus in the server tree, which Debian does not ship
