@@ -705,7 +705,7 @@ check_body_size(Datum body)
 				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
 				 errmsg("response body is too large to store"),
 				 errdetail("It is %zu bytes long; the limit, idempotency.max_response_bytes, is %s.",
-						   size, GetConfigOption("idempotency.max_response_bytes", false, false)),
+						   size, GetConfigOptionByName("idempotency.max_response_bytes", NULL, false)),
 				 errhint("Release the key with idem_release and answer without storing, or raise the setting.")));
 }
 
