@@ -189,6 +189,15 @@ check-fuzz:
 check-sanitize:
 	PG_CONFIG=$(PG_CONFIG) scripts/check-sanitize.sh
 
+# The README's quick start, its commands as written there, as root in a
+# fresh copy of a minimal Debian 12 without init (debootstrap
+# --variant=minbase, made once and cached): the install must start no
+# service and leave nothing running (scripts/check-quickstart.sh;
+# QUICKSTART_SUITES picks make test's suites there)
+.PHONY: check-quickstart
+check-quickstart:
+	scripts/check-quickstart.sh
+
 # Every ```sql block of README.md and doc/**/*.md, run in order in a fresh
 # database per file against a temporary instance that preloads the library;
 # the conventions (hidden setup, skipped blocks) are at the top of
