@@ -88,10 +88,15 @@ echo "== the quick start in a minbase chroot (make test: SUITES=${suites:-all})"
 printf '   %s\n' "$commands"
 start=$SECONDS
 # set -e: the first command that fails ends the run, as it would stop a
-# reader
+# reader; each command's time is printed after it
+script='set -e; cd /root/idempotency'
+while IFS= read -r command; do
+	script+=$'\n'"echo $(printf %q "+ $command"); s=\$SECONDS; { $command; } || exit 1"
+	script+=$'\n'"echo \"== \$((SECONDS - s)) s: \"$(printf %q "$command")"
+done <<<"$commands"
 vars=()
 [ -n "$suites" ] && vars=(SUITES="$suites")
-in_chroot "$root" "set -ex; cd /root/idempotency; $commands" "${vars[@]}"
+in_chroot "$root" "$script" "${vars[@]}"
 echo "== the quick start passed in $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"
 
 left=
