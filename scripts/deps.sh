@@ -74,24 +74,40 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 
-# The development package of the server's own version, when the archive
-# still has it: the headers then match the installed server exactly.
+# the version of an installed package, or nothing
+installed_version() {
+	dpkg-query -W -f '${Status} ${Version}\n' "$1" 2>/dev/null |
+		sed -n 's/^install ok installed //p'
+}
+
+# apt-get installs the newest version of a new package's dependencies,
+# upgrading those already installed: the server's packages, when
+# installed, are named at their installed version (which keeps them), and
+# the development package is taken at the server's own version when the
+# archive still has it (its headers then match the server exactly).
+keep=()
+server_version=$(installed_version "postgresql-$PG_MAJOR")
+if [ -z "${ALLOW_UPGRADE:-}" ]; then
+	for pkg in "postgresql-$PG_MAJOR" "postgresql-client-$PG_MAJOR"; do
+		version=$(installed_version "$pkg")
+		[ -n "$version" ] && keep+=("$pkg=$version")
+	done
+fi
 for i in "${!missing[@]}"; do
-	if [ "${missing[$i]}" = "postgresql-server-dev-$PG_MAJOR" ] &&
-		installed=$(dpkg-query -W -f '${Version}' "postgresql-$PG_MAJOR" 2>/dev/null) &&
-		[ -n "$installed" ] &&
+	if [ "${missing[$i]}" = "postgresql-server-dev-$PG_MAJOR" ] && [ -n "$server_version" ] &&
 		apt-cache madison "postgresql-server-dev-$PG_MAJOR" | awk -F' *\\| *' '{ print $2 }' |
-		grep -qxF "$installed"; then
-		missing[$i]="postgresql-server-dev-$PG_MAJOR=$installed"
+		grep -qxF "$server_version"; then
+		missing[$i]="postgresql-server-dev-$PG_MAJOR=$server_version"
 	fi
 done
 
 # What apt-get would do, before it does it: "Inst NAME [OLD] (NEW ...)" is
 # an upgrade, "Inst NAME (NEW ...)" a new package.
 apt_install=(apt-get install -y --no-install-recommends --no-upgrade)
-plan=$("${apt_install[@]}" -s "${missing[@]}") || {
+plan=$("${apt_install[@]}" -s "${missing[@]}" "${keep[@]}") || {
 	echo "$plan" >&2
-	echo "apt-get cannot install: ${missing[*]}" >&2
+	echo "apt-get cannot install: ${missing[*]}${keep[*]:+ (keeping ${keep[*]})}" >&2
+	[ ${#keep[@]} -eq 0 ] || echo "ALLOW_UPGRADE=1 lets it upgrade the installed server" >&2
 	exit 1
 }
 new=$(echo "$plan" | sed -n 's/^Inst \([^ ]*\) (\([^ ]*\) .*/\1/p' | wc -l)
@@ -126,7 +142,7 @@ if [ ! -e /usr/sbin/policy-rc.d ]; then
 fi
 # the per-file lines of unpacking say nothing: the rest is shown
 set +e
-"${apt_install[@]}" -q "${missing[@]}" |
+"${apt_install[@]}" -q "${missing[@]}" "${keep[@]}" |
 	grep -Ev '^(Get:|Selecting previously unselected|Preparing to unpack|Unpacking|\(Reading database)'
 status=${PIPESTATUS[0]}
 set -e

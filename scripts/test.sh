@@ -32,6 +32,7 @@
 #               pgbouncer (its "ok:" or "FAILED:" line)
 #   fuzz        fuzzers: the argument fuzzer and sqlsmith
 #   docs        documents: README.md and each doc/**/*.md
+#   any other   the suite itself, as one
 # A suite that fails without reaching its summary counts one failure.  SUITES picks a
 # subset, e.g. SUITES="regress isolation" make test; KEEP_WORKDIR=1 keeps
 # the tree the suites ran in, with their results, for a look afterwards.
@@ -85,9 +86,21 @@ count_suite() {
 		failed=${failed:-0}
 		passed=$((${files:-0} - failed - skipped))
 		;;
+	examples)
+		passed=$(grep -Ec '^ok: (clients|examples)/' "$log")
+		failed=$(grep -Ec '^FAILED: (clients|examples)/' "$log")
+		;;
+	fuzz)
+		passed=$(grep -Ec '^ok: (argument fuzzer|sqlsmith)$' "$log")
+		failed=$(grep -Ec '^FAILED: (argument fuzzer|sqlsmith)$' "$log")
+		;;
+	docs)
+		passed=$(grep -Ec '^ok: [^ ]+\.md ' "$log")
+		failed=$(grep -Ec '^FAILED: [^ ]+\.md' "$log")
+		;;
 	*)
-		passed=$(grep -c '^ok: ' "$log")
-		failed=$(grep -c '^FAILED: ' "$log")
+		# a suite without counts of its own counts as one
+		[ "$status" -eq 0 ] && passed=1
 		;;
 	esac
 	# failed without saying what: one failure
