@@ -74,9 +74,10 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 
-# the version of an installed package, or nothing
+# the version of an installed package, or nothing (dpkg-query fails on a
+# package it never saw)
 installed_version() {
-	dpkg-query -W -f '${Status} ${Version}\n' "$1" 2>/dev/null |
+	{ dpkg-query -W -f '${Status} ${Version}\n' "$1" 2>/dev/null || true; } |
 		sed -n 's/^install ok installed //p'
 }
 
