@@ -19,6 +19,8 @@
 # of their own.
 #
 set -euo pipefail
+# no silent end: set -e stops at the first failure, which must say where
+trap 'echo "scripts/deps.sh: failed at line $LINENO" >&2' ERR
 . "$(dirname "$0")/common.sh"
 
 need=${1:-test}
