@@ -144,11 +144,10 @@ if [ ! -e /usr/sbin/policy-rc.d ]; then
 	chmod 755 "$policy"
 fi
 # the per-file lines of unpacking say nothing: the rest is shown
-set +e
-"${apt_install[@]}" -q "${missing[@]}" "${keep[@]}" |
-	grep -Ev '^(Get:|Selecting previously unselected|Preparing to unpack|Unpacking|\(Reading database)'
-status=${PIPESTATUS[0]}
-set -e
-[ "$status" -eq 0 ] || exit 1
+if ! "${apt_install[@]}" -q "${missing[@]}" "${keep[@]}" |
+	{ grep -Ev '^(Get:|Selecting previously unselected|Preparing to unpack|Unpacking|\(Reading database)' || true; }; then
+	echo "apt-get install failed: ${missing[*]}" >&2
+	exit 1
+fi
 echo "== installed: ${missing[*]%%=*}"
 echo "   (to remove them later: apt-get purge ${missing[*]%%=*} && apt-get autoremove)"
