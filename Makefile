@@ -2,7 +2,8 @@
 #
 #   make test   install what is missing, build, install, and run every suite
 #               (pg_regress, isolation, TAP) against temporary instances
-#   make demo   a tour of the extension on a throwaway cluster
+#   make demo   a tour of the extension on a throwaway cluster (installs only
+#               the server, its client and development packages, and a compiler)
 #   make bench  the benchmarks, side by side with plain SQL (not a test)
 #   make test-matrix  make test on Debian bookworm, trixie and sid (PostgreSQL
 #               15, 17, 18), each in a chroot of its own (scripts/matrix.sh)
