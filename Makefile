@@ -2,7 +2,8 @@
 #
 #   make test   install what is missing, build, install, and run every suite
 #               (pg_regress, isolation, TAP) against temporary instances
-#   make demo   a tour of the extension on a throwaway cluster
+#   make demo   a tour of the extension on a throwaway cluster (installs only
+#               the server, its client and development packages, and a compiler)
 #   make bench  the benchmarks, side by side with plain SQL (not a test)
 #   make test-matrix  make test on Debian bookworm, trixie and sid (PostgreSQL
 #               15, 17, 18), each in a chroot of its own (scripts/matrix.sh)
@@ -135,7 +136,7 @@ check-tap:
 # t/citus/*.pl: a coordinator and two workers, when the citus extension is
 # installed in this server (it is not among Debian's packages: see
 # doc/integrations/citus.md); without it, one line says the suite did not run
-CITUS_INSTALLED = $(wildcard $(shell $(PG_CONFIG) --sharedir)/extension/citus.control)
+CITUS_INSTALLED = $(wildcard $(shell $(PG_CONFIG) --sharedir 2>/dev/null)/extension/citus.control)
 check-citus: PROVE_TESTS = t/citus/*.pl
 check-citus:
 ifneq ($(CITUS_INSTALLED),)
@@ -206,6 +207,15 @@ check-fuzz:
 .PHONY: check-sanitize
 check-sanitize:
 	PG_CONFIG=$(PG_CONFIG) scripts/check-sanitize.sh
+
+# The README's quick start, its commands as written there, as root in a
+# fresh copy of a minimal Debian 12 without init (debootstrap
+# --variant=minbase, made once and cached): the install must start no
+# service and leave nothing running (scripts/check-quickstart.sh;
+# QUICKSTART_SUITES picks make test's suites there)
+.PHONY: check-quickstart
+check-quickstart:
+	scripts/check-quickstart.sh
 
 # Every ```sql block of README.md and doc/**/*.md, run in order in a fresh
 # database per file against a temporary instance that preloads the library;
