@@ -1,0 +1,171 @@
+# The shape check of an extension table (src/direct/table_check.c) runs
+# again after every relcache invalidation of the table and after every
+# sinval reset, and the relcache entry it reads can be rebuilt in the middle
+# of it, when it opens a catalog.  A healthy table must never be refused for
+# that (issue 29, item 7): claims race a stream of invalidations of
+# idempotency.keys itself (GRANT/REVOKE, ANALYZE, a reloption that the
+# utility hook allows), catalog churn that fills the sinval queue (temporary
+# tables created and dropped) and backends asleep inside a transaction,
+# which fall behind and make the queue reset them.  Every claim must
+# succeed.  Bounded in count and in time: the claimants stop after their
+# claims or after 15 seconds, and the churn stops with them.
+
+use strict;
+use warnings;
+
+use IPC::Run;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+my $claimants = 3;
+my $claims = 20000;    # each, unless 15 seconds pass first
+my $sleepers = 8;
+
+my $node = PostgreSQL::Test::Cluster->new('sinval');
+$node->init;
+$node->append_conf('postgresql.conf', qq{
+shared_preload_libraries = 'idempotency'
+max_connections = 40
+autovacuum = off
+jit = off
+});
+$node->start;
+
+$node->safe_psql('postgres', q{
+	CREATE EXTENSION idempotency;
+	CREATE ROLE churn_reader;
+	-- a claimant's refusals, and how far it got; the churn runs until
+	-- every claimant has said it is done
+	CREATE TABLE refusals (claimant int, sqlstate text, message text, detail text);
+	CREATE TABLE progress (claimant int PRIMARY KEY, claims int, done bool);
+	CREATE TABLE churned (what text PRIMARY KEY, rounds int);
+
+	CREATE PROCEDURE claim_many(me int, n int) LANGUAGE plpgsql AS $$
+	DECLARE
+		deadline timestamptz := clock_timestamp() + interval '15 s';
+		i int := 0;
+		state text;
+		message text;
+		detail text;
+	BEGIN
+		INSERT INTO progress VALUES (me, 0, false);
+		COMMIT;
+		WHILE i < n AND clock_timestamp() < deadline LOOP
+			i := i + 1;
+			BEGIN
+				PERFORM idempotency.idem_claim('sinval', me || '-' || i);
+			EXCEPTION WHEN OTHERS THEN
+				GET STACKED DIAGNOSTICS state = RETURNED_SQLSTATE,
+					message = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
+				INSERT INTO refusals VALUES (me, state, message, detail);
+			END;
+			-- each claim in a transaction of its own: each takes its locks
+			-- anew, which is where invalidations are taken in
+			COMMIT;
+		END LOOP;
+		UPDATE progress SET claims = i, done = true WHERE claimant = me;
+	END $$;
+
+	-- churn until every claimant is done (or 25 seconds, whichever first)
+	CREATE PROCEDURE churn(what text) LANGUAGE plpgsql AS $$
+	DECLARE
+		deadline timestamptz := clock_timestamp() + interval '25 s';
+		rounds int := 0;
+	BEGIN
+		WHILE clock_timestamp() < deadline AND
+			(SELECT count(*) FILTER (WHERE done) < count(*) OR count(*) = 0 FROM progress) LOOP
+			rounds := rounds + 1;
+			IF what = 'keys' THEN
+				-- a relcache invalidation of keys itself at each commit (one
+				-- session: these update its pg_class row)
+				GRANT SELECT ON idempotency.keys TO churn_reader;
+				COMMIT;
+				REVOKE SELECT ON idempotency.keys FROM churn_reader;
+				COMMIT;
+				IF rounds % 10 = 0 THEN
+					ANALYZE idempotency.keys;
+					COMMIT;
+					EXECUTE format('ALTER TABLE idempotency.keys SET (fillfactor = %s)',
+								   90 + rounds / 10 % 10);
+				END IF;
+			ELSE
+				-- dozens of sinval messages each: the queue fills, and the
+				-- backends that lag behind it are reset
+				CREATE TEMP TABLE churn_temp (a int PRIMARY KEY, b text);
+				COMMIT;
+				DROP TABLE churn_temp;
+			END IF;
+			COMMIT;
+		END LOOP;
+		INSERT INTO churned VALUES (what, rounds);
+	END $$;
+});
+
+my @procs;
+my $connstr = $node->connstr('postgres');
+sub start_psql
+{
+	my ($sql) = @_;
+	my ($out, $err) = ('', '');
+	my $h = IPC::Run::start(
+		[ 'psql', '-X', '-q', '-v', 'ON_ERROR_STOP=1', '-d', $connstr, '-c', $sql ],
+		'>', \$out, '2>', \$err);
+	push @procs, [ $h, \$err, $sql ];
+	return $h;
+}
+
+# backends that sleep inside a transaction do not read the sinval queue:
+# they hold it back until it fills, and then it resets whoever lags
+my @sleeping;
+for my $i (1 .. $sleepers)
+{
+	my ($out, $err) = ('', '');
+	push @sleeping, IPC::Run::start(
+		[
+			'psql', '-X', '-q', '-d', $connstr, '-c',
+			'SELECT count(*) FROM idempotency.keys; SELECT pg_sleep(60)'
+		],
+		'>', \$out, '2>', \$err);
+}
+$node->poll_query_until('postgres',
+	"SELECT count(*) = $sleepers FROM pg_stat_activity WHERE wait_event = 'PgSleep'")
+  or die 'the sleepers did not fall asleep';
+
+start_psql("CALL churn('$_')") for qw(keys temp);
+start_psql("CALL claim_many($_, $claims)") for 1 .. $claimants;
+
+for my $p (@procs)
+{
+	my ($h, $err, $sql) = @$p;
+	ok($h->finish, "$sql ran to its end") or diag($$err);
+}
+# the sleepers are in pg_sleep: wake them, which ends their sessions
+$node->safe_psql('postgres',
+	"SELECT count(pg_cancel_backend(pid)) FROM pg_stat_activity WHERE wait_event = 'PgSleep'");
+$_->finish for @sleeping;
+
+my $made = $node->safe_psql('postgres', 'SELECT sum(claims) FROM progress');
+note("claims made: $made; churn rounds: "
+	  . $node->safe_psql('postgres',
+		"SELECT string_agg(what || ' ' || rounds, ', ' ORDER BY what) FROM churned"));
+cmp_ok($made, '>', 0, 'the claimants claimed');
+is($node->safe_psql('postgres', "SELECT count(*) FROM churned WHERE rounds > 0"),
+	'2', 'every churn ran alongside them');
+
+my $refused = $node->safe_psql('postgres', q{
+	SELECT count(*) || coalesce(': ' || min(sqlstate || ' ' || message || ' / ' || detail), '')
+	FROM refusals
+});
+is($refused, '0', 'no claim failed: a healthy table is never refused');
+
+# every claim made is there, and the table is still taken as it is
+is($node->safe_psql('postgres',
+		"SELECT count(*) FROM idempotency.keys WHERE scope = 'sinval'"),
+	$made, 'every claim left its key');
+is($node->safe_psql('postgres',
+		"SELECT outcome FROM idempotency.idem_claim('sinval', 'after')"),
+	'claimed', 'a claim after the churn works');
+
+$node->stop;
+done_testing();
