@@ -457,8 +457,11 @@ idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode,
 		rel->heap = open_shard(table, shell, value, lockmode, function_name);
 		table_close(shell, NoLock);
 	}
-	/* idem_check_table made sure there is one, and the one expected */
-	rel->pkey = index_open(rel->heap->rd_pkindex, lockmode);
+	/*
+	 * idem_check_table made sure there is one, and the one expected; not
+	 * rd_pkindex itself, unset in an entry rebuilt since (table_check.c)
+	 */
+	rel->pkey = index_open(idem_primary_key_index(rel->heap), lockmode);
 }
 
 /*
