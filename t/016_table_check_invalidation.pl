@@ -9,6 +9,13 @@
 # which fall behind and make the queue reset them.  Every claim must
 # succeed.  Bounded in count and in time: the claimants stop after their
 # claims or after 15 seconds, and the churn stops with them.
+#
+# And the other way round: a change that commits while the check runs, and
+# whose invalidation the check takes in after it looked at that part, must
+# not be forgotten.  On a server that does not preload the library (no
+# utility hook refuses the DDL), a reader's check is held at pg_inherits,
+# which it opens last, while a trigger is created on the table; the next
+# write must see the trigger and refuse the table.
 
 use strict;
 use warnings;
@@ -168,4 +175,70 @@ is($node->safe_psql('postgres',
 	'claimed', 'a claim after the churn works');
 
 $node->stop;
+
+# The check held at pg_inherits (a lock the test holds) while a trigger is
+# created on processed_events: CREATE TRIGGER's lock does not conflict with
+# the reader's AccessShareLock, so it commits, and the reader takes in its
+# invalidation when it gets pg_inherits, after it looked at the triggers.
+my $plain = PostgreSQL::Test::Cluster->new('unguarded');
+$plain->init;
+$plain->append_conf('postgresql.conf', "jit = off\n");
+$plain->start;
+$plain->safe_psql('postgres', q{
+	CREATE EXTENSION idempotency;
+	CREATE TABLE fired (event_id text);
+	CREATE FUNCTION note_event() RETURNS trigger LANGUAGE plpgsql AS $$
+	BEGIN
+		INSERT INTO fired VALUES (NEW.event_id);
+		RETURN NEW;
+	END $$;
+	-- a write, and what became of it
+	CREATE FUNCTION try_mark(event text) RETURNS text LANGUAGE plpgsql AS $$
+	DECLARE
+		message text;
+		detail text;
+	BEGIN
+		PERFORM idempotency.idem_mark_processed('held', event);
+		RETURN 'marked';
+	EXCEPTION WHEN OTHERS THEN
+		GET STACKED DIAGNOSTICS message = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
+		RETURN SQLSTATE || ' ' || message || ' / ' || detail;
+	END $$;
+});
+
+my $locker = $plain->background_psql('postgres');
+$locker->query_safe('BEGIN; LOCK TABLE pg_catalog.pg_inherits IN ACCESS EXCLUSIVE MODE');
+# one session: a read, whose check waits for pg_inherits, then a write (a
+# file for psql's input: nothing pumps a string into it meanwhile)
+my $reads = $plain->basedir . '/reads.sql';
+append_to_file($reads, q{
+SELECT 'read ' || idempotency.idem_is_processed('held', 'e0');
+SELECT try_mark('e1');
+});
+my ($read_out, $read_err) = ('', '');
+my $reader = IPC::Run::start(
+	[ 'psql', '-X', '-A', '-t', '-d', $plain->connstr('postgres'), '-f', $reads ],
+	'>', \$read_out, '2>', \$read_err);
+$plain->poll_query_until('postgres', q{
+	SELECT count(*) = 1 FROM pg_locks
+	WHERE relation = 'pg_catalog.pg_inherits'::regclass AND NOT granted
+}) or die 'the reader did not reach pg_inherits';
+$plain->safe_psql('postgres', q{
+	CREATE TRIGGER note_event AFTER INSERT ON idempotency.processed_events
+	FOR EACH ROW EXECUTE FUNCTION note_event()
+});
+$locker->query_safe('ROLLBACK');
+$locker->quit;
+$reader->finish;
+
+like($read_out, qr/^read false$/m, 'the read whose check was held works')
+  or diag($read_err);
+like($read_out,
+	qr/^55000 idempotency does not support this change to table "idempotency.processed_events" \/ It has trigger "note_event"/m,
+	'a trigger created while the check ran is seen by the next write')
+  or diag($read_err);
+is($plain->safe_psql('postgres', 'SELECT count(*) FROM idempotency.processed_events'),
+	'0', '... which wrote nothing');
+
+$plain->stop;
 done_testing();
