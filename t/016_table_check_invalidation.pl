@@ -10,6 +10,11 @@
 # succeed.  Bounded in count and in time: the claimants stop after their
 # claims or after 15 seconds, and the churn stops with them.
 #
+# Then the same made certain: a claim's check held at a catalog by a lock
+# the test holds while the table is invalidated or the sinval queue
+# overflows, so that the claimant rebuilds its relcache entries in the
+# middle of the check.
+#
 # And the other way round: a change that commits while the check runs, and
 # whose invalidation the check takes in after it looked at that part, must
 # not be forgotten.  On a server that does not preload the library (no
@@ -21,6 +26,7 @@ use strict;
 use warnings;
 
 use IPC::Run;
+use Time::HiRes qw(usleep);
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
@@ -173,6 +179,90 @@ is($node->safe_psql('postgres',
 is($node->safe_psql('postgres',
 		"SELECT outcome FROM idempotency.idem_claim('sinval', 'after')"),
 	'claimed', 'a claim after the churn works');
+
+# The same made certain: a claim whose check runs again (keys was
+# invalidated since its last) is held at a catalog the check opens, by a
+# lock the test holds, while invalidations arrive; the claim and the next
+# one in that session must be claimed.  Held at pg_opclass (looked up for
+# the primary key's operator classes, before the constraints are compared
+# with the key) or at pg_inherits (which the check opens last); the
+# invalidations: one of keys itself, or more messages than the sinval
+# queue holds, none about keys, which the claimant, asleep on the lock,
+# does not read, so that the queue resets it and it rebuilds its open
+# relcache entries when it gets the lock.
+$node->safe_psql('postgres', q{
+	CREATE TABLE bystander (a int);
+	CREATE FUNCTION try_claim(k text) RETURNS text LANGUAGE plpgsql AS $$
+	DECLARE
+		message text;
+		detail text;
+	BEGIN
+		RETURN (idempotency.idem_claim('held', k)).outcome;
+	EXCEPTION WHEN OTHERS THEN
+		GET STACKED DIAGNOSTICS message = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
+		RETURN SQLSTATE || ' ' || message || ' / ' || detail;
+	END $$;
+});
+my $invalidate_keys = q{
+	GRANT SELECT ON idempotency.keys TO churn_reader;
+	REVOKE SELECT ON idempotency.keys FROM churn_reader;
+};
+# a few messages a round (pg_class's catalog caches, the bystander's
+# relcache entry): well past the queue's 4,096
+my $overflow_queue = q{
+	DO $$
+	BEGIN
+		FOR i IN 1 .. 2000 LOOP
+			GRANT SELECT ON bystander TO churn_reader;
+			COMMIT;
+			REVOKE SELECT ON bystander FROM churn_reader;
+			COMMIT;
+		END LOOP;
+	END $$
+};
+# What the test does while a catalog is locked goes through a session
+# opened (and its caches loaded) before: a new one would wait for the lock
+# at its start.
+my $driver = $node->background_psql('postgres');
+sub claimant_waits_for
+{
+	my ($catalog) = @_;
+	my $query = "SELECT count(*) = 1 FROM pg_locks"
+	  . " WHERE relation = 'pg_catalog.$catalog'::regclass AND NOT granted";
+	for (1 .. 10 * $PostgreSQL::Test::Utils::timeout_default)
+	{
+		return 1 if $driver->query_safe($query) eq 't';
+		usleep(100_000);
+	}
+	return 0;
+}
+$driver->query_safe("SELECT count(*) FROM pg_locks WHERE relation = 'pg_catalog.$_'::regclass")
+  for qw(pg_opclass pg_inherits);
+$driver->query_safe($invalidate_keys);
+$driver->query_safe($overflow_queue =~ s/2000/1/r);
+
+my $round = 0;
+for my $case ([ 'pg_opclass', 'keys invalidated', $invalidate_keys ],
+	[ 'pg_opclass', 'sinval reset', $overflow_queue ],
+	[ 'pg_inherits', 'sinval reset', $overflow_queue ])
+{
+	my ($catalog, $what, $traffic) = @$case;
+	$round++;
+	my $claimant = $node->background_psql('postgres');
+	$claimant->query_safe("SELECT try_claim('warm-$round')");
+	$driver->query_safe($invalidate_keys);
+	my $holder = $node->background_psql('postgres');
+	$holder->query_safe("BEGIN; LOCK TABLE pg_catalog.$catalog IN ACCESS EXCLUSIVE MODE");
+	$claimant->query_until(qr/claiming/, "\\echo claiming\nSELECT try_claim('held-$round');\n");
+	claimant_waits_for($catalog) or die "the claimant did not reach $catalog";
+	$driver->query_safe($traffic);
+	$holder->query_safe('ROLLBACK');
+	$holder->quit;
+	is($claimant->query_safe("SELECT try_claim('next-$round')"), "claimed\nclaimed",
+		"check held at $catalog, $what: the claim and the next are claimed");
+	$claimant->quit;
+}
+$driver->quit;
 
 $node->stop;
 
