@@ -29,10 +29,11 @@ class Attempt {
     let claim;
     if (s.mode === 'one-transaction') {
       const client = await s.pool.connect();
+      watch(client);
       try {
         // BEGIN and the claim in one round trip (the simple protocol, so
         // the arguments are literals)
-        const [, result] = await client.query(`BEGIN; ${P.inline(client, P.CLAIM, args)}`);
+        const [, result] = await client.query(`BEGIN; ${P.inline(P.CLAIM, args)}`);
         [claim] = result.rows;
       } catch (error) {
         await this.#rollback(client);
@@ -86,8 +87,9 @@ class Attempt {
         // transient answer) must not commit what the handler wrote, so the
         // guard's division by zero aborts the transaction before COMMIT
         const stored = P.storedResponse(s, headers, body);
-        await client.query(`${P.inline(client, P.COMPLETE_OR_ABORT,
+        await client.query(`${P.inline(P.COMPLETE_OR_ABORT,
           [this.scope, this.key, status, stored.body, JSON.stringify(stored.headers), this.attempt])}; COMMIT`);
+        unwatch(client);
         client.release();
         return null;
       } catch (error) {
@@ -141,6 +143,7 @@ class Attempt {
     } catch (error) {
       broken = error;
     }
+    unwatch(client);
     client.release(broken);
   }
 
@@ -173,6 +176,22 @@ class Attempt {
   }
 }
 
+// A pooled client in a handler's hands: node-postgres emits 'error' on it
+// when its connection is lost while no query runs (a server restart, a
+// terminated backend, idle_in_transaction_session_timeout), and an 'error'
+// nobody listens to ends the process. The pool listens only to its idle
+// clients; this listener keeps the process up, and the client's next query
+// fails instead, which the handler or the ROLLBACK sees.
+function ignoreLostConnection() {}
+
+function watch(client) {
+  client.on('error', ignoreLostConnection);
+}
+
+function unwatch(client) {
+  client.removeListener('error', ignoreLostConnection);
+}
+
 function problemAnswer(status, title, detail) {
   return {
     status,
@@ -181,4 +200,4 @@ function problemAnswer(status, title, detail) {
   };
 }
 
-module.exports = { Attempt, problemAnswer };
+module.exports = { Attempt, problemAnswer, watch, unwatch };

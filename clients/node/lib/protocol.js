@@ -31,13 +31,44 @@ const LOST_CLAIM = new Set(['22I01', '22I02', '22I03']);
 
 // A statement with its $n parameters as literals, for a query string of
 // several statements (node-postgres sends those by the simple protocol)
-function inline(client, sql, args) {
+function inline(sql, args) {
   return sql.replace(/\$(\d+)/g, (_, n) => {
     const value = args[n - 1];
     if (value === null || value === undefined) return 'NULL';
-    if (typeof value === 'number') return String(value);
-    return client.escapeLiteral(String(value));
+    if (Number.isSafeInteger(value)) return String(value);
+    return literal(String(value));
   });
+}
+
+// Every character but printable ASCII, the quote and the backslash
+const UNSAFE = /[^\x20-\x26\x28-\x5b\x5d-\x7e]/gu;
+// A UTF-16 surrogate that is not half of a pair (the u flag reads pairs whole)
+const LONE_SURROGATE = /[\ud800-\udfff]/u;
+
+// A string as an SQL literal of printable ASCII only: E'...' with quotes
+// and backslashes doubled and any other character as a \uXXXX or
+// \UXXXXXXXX escape. The server reads it the same whatever the session's
+// settings: no byte of it can be taken for the second byte of a multibyte
+// character (as SJIS, BIG5 or GBK would take a backslash after a lead
+// byte, were a handler to SET client_encoding), an E'' string reads its
+// backslashes whatever standard_conforming_strings says, and a quote is
+// doubled, never \' (which backslash_quote may refuse). A NUL character
+// (\u0000) is refused by the server, as PostgreSQL text has none.
+// node-postgres's escapeLiteral is right for a UTF-8 session only.
+function literal(text) {
+  if (LONE_SURROGATE.test(text)) {
+    throw new TypeError('pg-idempotency: a string with a lone UTF-16 surrogate has no UTF-8 form');
+  }
+  return `E'${text.replace(UNSAFE, escapeCharacter)}'`;
+}
+
+function escapeCharacter(c) {
+  if (c === "'") return "''";
+  if (c === '\\') return '\\\\';
+  const code = c.codePointAt(0);
+  return code > 0xffff
+    ? `\\U${code.toString(16).padStart(8, '0')}`
+    : `\\u${code.toString(16).padStart(4, '0')}`;
 }
 
 // A duration option: milliseconds, or a PostgreSQL interval as text
@@ -186,6 +217,6 @@ function answerTo(claim) {
 
 module.exports = {
   CLAIM, COMPLETE, COMPLETE_OR_ABORT, RELEASED, RELEASE, CHECKPOINT, EXTEND, LOST_CLAIM, MISSING_KEY,
-  inline, interval, settings, problem, readKey, principalOf, pathOf, boundScope,
+  inline, literal, interval, settings, problem, readKey, principalOf, pathOf, boundScope,
   storedResponse, answerTo, claimArgs,
 };
