@@ -83,12 +83,23 @@ class Attempt {
         return null;
       }
       try {
-        // the completion and COMMIT in one round trip; a released key (a
-        // transient answer) must not commit what the handler wrote, so the
-        // guard's division by zero aborts the transaction before COMMIT
         const stored = P.storedResponse(s, headers, body);
-        await client.query(`${P.inline(P.COMPLETE_OR_ABORT,
-          [this.scope, this.key, status, stored.body, JSON.stringify(stored.headers), this.attempt])}; COMMIT`);
+        const args = [this.scope, this.key, status, stored.body, JSON.stringify(stored.headers), this.attempt];
+        if (P.likelyStored(status)) {
+          // the completion and COMMIT in one round trip; should the
+          // server's policy release the answer after all, the guard's
+          // division by zero aborts the transaction before COMMIT
+          await client.query(`${P.inline(P.COMPLETE_OR_ABORT, args)}; COMMIT`);
+        } else {
+          // an answer the default policy releases: no COMMIT unless the
+          // server stores it, and no ERROR in the server's log
+          const { rows: [{ done }] } = await client.query(P.COMPLETE, args);
+          if (done !== 'stored') {
+            await this.#rollback(client);
+            return null; // nothing the handler wrote remains
+          }
+          await client.query('COMMIT');
+        }
         unwatch(client);
         client.release();
         return null;

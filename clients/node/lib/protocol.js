@@ -18,8 +18,14 @@ const CLAIM = `SELECT c.outcome, c.status_code, c.body, c.headers, c.attempt, c.
        (extract(epoch FROM c.lease_expires_at - clock_timestamp()) * 1000)::float8 AS lease_left_ms
 FROM idempotency.idem_claim($1, $2, $3, $4::interval, $5::interval, $6::interval) AS c`;
 const COMPLETE = 'SELECT idempotency.idem_complete($1, $2, $3, $4, $5, $6) AS done';
-// One-transaction mode: COMMIT follows in the same query string, and must
-// not run when the answer was released instead of stored (SQLSTATE RELEASED)
+// One-transaction mode, an answer the default policy stores: COMMIT
+// follows in the same query string, and must not run if the server's
+// policy (idempotency.release_statuses, which only idem_complete reads)
+// releases it after all; then the division by zero (SQLSTATE RELEASED)
+// aborts the transaction before COMMIT. The server logs that ERROR, so the
+// answers the default policy releases take the path without the guard
+// (idem_complete, then COMMIT or ROLLBACK: one more round trip, on a
+// failure only): see likelyStored.
 const COMPLETE_OR_ABORT = `SELECT 1 / (idempotency.idem_complete($1, $2, $3, $4, $5::jsonb, $6) = 'stored')::int`;
 const RELEASED = '22012';
 const RELEASE = 'SELECT idempotency.idem_release($1, $2, $3)';
@@ -69,6 +75,13 @@ function escapeCharacter(c) {
   return code > 0xffff
     ? `\\U${code.toString(16).padStart(8, '0')}`
     : `\\u${code.toString(16).padStart(4, '0')}`;
+}
+
+// Whether the extension's default idempotency.release_statuses (408, 425,
+// 429, 500-599) stores an answer. Only a guess, to pick the path with the
+// fewest round trips: idem_complete decides, under the server's policy.
+function likelyStored(status) {
+  return status < 500 && status !== 408 && status !== 425 && status !== 429;
 }
 
 // A duration option: milliseconds, or a PostgreSQL interval as text
@@ -217,6 +230,6 @@ function answerTo(claim) {
 
 module.exports = {
   CLAIM, COMPLETE, COMPLETE_OR_ABORT, RELEASED, RELEASE, CHECKPOINT, EXTEND, LOST_CLAIM, MISSING_KEY,
-  inline, literal, interval, settings, problem, readKey, principalOf, pathOf, boundScope,
+  inline, literal, likelyStored, interval, settings, problem, readKey, principalOf, pathOf, boundScope,
   storedResponse, answerTo, claimArgs,
 };

@@ -248,3 +248,37 @@ test('two transactions: a retry takes over with the recovery point; the stale at
     await server.close();
   }
 });
+
+test('the server\'s release policy decides, whichever path the default policy suggests', async () => {
+  // the handler sets the policy in its transaction, where idem_complete reads it
+  const app = express();
+  app.set('env', 'test');
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool }));
+  app.post('/policy', async (req, res) => {
+    await req.idempotency.db.query("SELECT set_config('idempotency.release_statuses', $1, true)", [req.body.policy]);
+    await req.idempotency.db.query('INSERT INTO node_items (label) VALUES ($1)', [req.body.label]);
+    res.status(req.body.status).json({ label: req.body.label });
+  });
+  const server = await listen(app);
+  try {
+    // a 409 released by the policy: rolled back (through the guard), not stored
+    const released = { policy: '409', status: 409, label: randomUUID() };
+    const key = randomUUID();
+    assert.equal((await request(server, { path: '/policy', key, body: released })).status, 409);
+    assert.equal(await count(released.label), 0);
+    assert.deepEqual((await pool.query(KEYS, [key])).rows, []);
+    // a 503 stored by the policy: committed, and replayed
+    const kept = { policy: '', status: 503, label: randomUUID() };
+    const other = randomUUID();
+    const first = await request(server, { path: '/policy', key: other, body: kept });
+    assert.equal(first.status, 503);
+    assert.equal(await count(kept.label), 1);
+    const replay = await request(server, { path: '/policy', key: other, body: kept });
+    assert.equal(replay.status, 503);
+    assert.equal(replay.headers['idempotent-replayed'], 'true');
+    assert.ok(replay.body.equals(first.body));
+  } finally {
+    await server.close();
+  }
+});
