@@ -14,7 +14,9 @@ class Attempt {
     this.scope = scope;
     this.key = key;
     this.fingerprint = fingerprint;
-    this.client = null; // one-transaction: the client inside BEGIN
+    this.client = null; // one-transaction: the client inside BEGIN, while it is ours
+    this.transaction = null; // one-transaction: the same client, for the handler
+    this.lost = null; // one-transaction: the error that ended its connection
     this.attempt = null;
     this.recoveryPoint = null;
     this.heartbeat = null;
@@ -46,6 +48,8 @@ class Attempt {
         return P.answerTo(claim);
       }
       this.client = client;
+      this.transaction = client;
+      client.on('error', this.#onLost);
     } else {
       ({ rows: [claim] } = await s.pool.query(P.CLAIM, args));
       if (claim.outcome !== 'claimed') return P.answerTo(claim);
@@ -59,7 +63,7 @@ class Attempt {
 
   // Where the handler writes: the transaction, or the pool in two-transaction mode
   get db() {
-    return this.client ?? this.settings.pool;
+    return this.transaction ?? this.settings.pool;
   }
 
   // Records how far the handler got (two-transaction mode)
@@ -75,9 +79,16 @@ class Attempt {
     if (!this.open) return null;
     this.open = false;
     const s = this.settings;
-    if (this.client) {
+    if (s.mode === 'one-transaction') {
       const client = this.client;
       this.client = null;
+      if (this.lost) {
+        // nothing was committed, and the key was never claimed for others
+        if (failed) return null;
+        s.log(`pg-idempotency: the response to key "${this.key}" was not stored: the connection was lost: ${this.lost.message}`);
+        return problemAnswer(500, 'Response not stored',
+          'The request could not be completed; nothing was kept, and it may be retried.');
+      }
       if (failed) {
         await this.#rollback(client);
         return null;
@@ -100,8 +111,7 @@ class Attempt {
           }
           await client.query('COMMIT');
         }
-        unwatch(client);
-        client.release();
+        this.#giveBack(client);
         return null;
       } catch (error) {
         await this.#rollback(client);
@@ -136,10 +146,10 @@ class Attempt {
   async abandon() {
     if (!this.open) return;
     this.open = false;
-    if (this.client) {
+    if (this.settings.mode === 'one-transaction') {
       const client = this.client;
       this.client = null;
-      await this.#rollback(client);
+      if (client) await this.#rollback(client);
     } else {
       this.#stopHeartbeat();
       await this.#release();
@@ -154,9 +164,27 @@ class Attempt {
     } catch (error) {
       broken = error;
     }
-    unwatch(client);
+    this.#giveBack(client, broken);
+  }
+
+  #giveBack(client, broken) {
+    client.removeListener('error', this.#onLost);
+    if (!broken) unwatch(client); // a broken one may still emit 'error'
     client.release(broken);
   }
+
+  // The connection of the handler's transaction was lost (a server
+  // restart, pg_terminate_backend, idle_in_transaction_session_timeout):
+  // the client goes back to the pool at once, as broken (the pool ends
+  // it), so that a handler that never answers holds no pooled client; the
+  // handler's next query on it fails
+  #onLost = (error) => {
+    const client = this.client;
+    if (!client) return; // finish or abandon owns it now
+    this.client = null;
+    this.lost = error;
+    this.#giveBack(client, error);
+  };
 
   async #release() {
     try {

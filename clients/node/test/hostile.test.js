@@ -13,7 +13,8 @@ const { randomUUID } = require('node:crypto');
 const express = require('express');
 const idempotency = require('..');
 const { literal } = require('../lib/protocol');
-const { pool, listen, request, gate } = require('./support');
+const http = require('node:http');
+const { pool, listen, request, gate, waitFor } = require('./support');
 
 const KEYS = 'SELECT scope, key, body, headers FROM idempotency.keys WHERE key = $1';
 
@@ -150,7 +151,7 @@ test('hostile scopes keep each caller apart; one with NUL or a lone surrogate is
   }
 });
 
-test('a lost connection under a running handler: the process stays up, the request fails, the pool recovers', async () => {
+test('a lost connection under a running handler: the process stays up, the client is back in the pool at once, the request fails', async () => {
   const held = gate();
   const entered = gate();
   const app = express();
@@ -171,6 +172,9 @@ test('a lost connection under a running handler: the process stays up, the reque
     const pid = await entered.promise;
     // what a server restart or idle_in_transaction_session_timeout does
     await pool.query('SELECT pg_terminate_backend($1)', [pid]);
+    // a handler that never answers holds no pooled client once its
+    // connection is gone
+    await poolSettled();
     held.open();
     assert.equal((await first).status, 500);
     assert.equal((await pool.query(KEYS, [key])).rows.length, 0);
@@ -209,6 +213,44 @@ test('many failing requests leave no pooled client checked out', async () => {
     assert.ok(pool.totalCount <= 10);
     assert.equal((await request(server, { path: '/ok', key: randomUUID(), body: {} })).status, 201);
   } finally {
+    await server.close();
+  }
+});
+
+test('a client that goes away mid-request: the handler\'s answer is still stored, and its retry replays it', async () => {
+  const held = gate();
+  const entered = gate();
+  const app = express();
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool }));
+  app.post('/gone', async (req, res) => {
+    entered.open();
+    await held.promise;
+    const { rows: [row] } = await req.idempotency.db.query(
+      'INSERT INTO node_items (label) VALUES ($1) RETURNING id', [req.idempotency.key]);
+    res.status(201).json({ id: row.id });
+  });
+  const server = await listen(app);
+  try {
+    const key = randomUUID();
+    const gone = http.request({ host: '127.0.0.1', port: server.port, method: 'POST', path: '/gone',
+      headers: { 'content-type': 'application/json', 'idempotency-key': key } });
+    gone.on('error', () => {}); // the socket hang-up this test causes
+    gone.end('{}');
+    await entered.promise;
+    const closed = new Promise((resolve) => gone.on('close', resolve));
+    gone.destroy();
+    await closed;
+    held.open();
+    await waitFor('SELECT status_code FROM idempotency.keys WHERE key = $1', [key], (rows) => rows[0]?.status_code === 201);
+    const retry = await request(server, { path: '/gone', key, body: {} });
+    assert.equal(retry.status, 201);
+    assert.equal(retry.headers['idempotent-replayed'], 'true');
+    const { rows: [{ n }] } = await pool.query('SELECT count(*)::int AS n FROM node_items WHERE label = $1', [key]);
+    assert.equal(n, 1);
+    await poolSettled();
+  } finally {
+    held.open();
     await server.close();
   }
 });
