@@ -95,6 +95,7 @@ declare module 'fastify' {
     idempotency: IdempotencyContext | null;
   }
   interface FastifyContextConfig {
-    idempotency?: Partial<Omit<Options, 'pool'>>;
+    /** This route's options, or false: the plugin leaves the route alone */
+    idempotency?: Partial<Omit<Options, 'pool'>> | false;
   }
 }

@@ -22,6 +22,8 @@ app.post('/orders', { config: { idempotency: { required: true } } }, async (requ
   return { attempt: context?.attempt };
 });
 
+app.post('/stream', { config: { idempotency: false } }, async () => 'not stored');
+
 // Consumers
 interface Event { id: string; amount: number }
 const consume = idempotency.dedup<Event>(async (event, client) => {
