@@ -175,15 +175,18 @@ class Attempt {
 
   // The connection of the handler's transaction was lost (a server
   // restart, pg_terminate_backend, idle_in_transaction_session_timeout):
-  // the client goes back to the pool at once, as broken (the pool ends
-  // it), so that a handler that never answers holds no pooled client; the
-  // handler's next query on it fails
+  // the client goes back to the pool as broken (the pool discards it) as
+  // soon as the connection has ended, so that a handler that never answers
+  // holds no pooled client; the handler's next query on it fails. Not
+  // before the end: an error still on its way (pgbouncer sends its own
+  // after the server's) would reach the pool's listener, which emits it on
+  // the pool.
   #onLost = (error) => {
     const client = this.client;
     if (!client) return; // finish or abandon owns it now
     this.client = null;
     this.lost = error;
-    this.#giveBack(client, error);
+    client.once('end', () => this.#giveBack(client, error));
   };
 
   async #release() {
