@@ -55,8 +55,11 @@ export function express(options: Options): (req: any, res: any, next: (error?: u
 /** For express.json({ verify: keepRawBody }): keeps the body's bytes for the fingerprint */
 export function keepRawBody(req: any, res: any, buf: Buffer): void;
 
-/** The Fastify 5 plugin: fastify.register(fastify, options) */
-export function fastify(instance: import('fastify').FastifyInstance, options: Options): Promise<void>;
+/**
+ * The Fastify 5 plugin: fastify.register(fastify, options). The instance
+ * is typed loosely so that an app without Fastify needs no Fastify types.
+ */
+export function fastify(instance: any, options: Options): Promise<void>;
 
 export interface ConsumerOptions<Message> {
   pool: Pool;
