@@ -282,3 +282,24 @@ test('the server\'s release policy decides, whichever path the default policy su
     await server.close();
   }
 });
+
+test('res.flushHeaders() sends nothing before the commit: the status stored is the status sent', async () => {
+  const app = express();
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool }));
+  app.post('/flush', (req, res) => {
+    res.flushHeaders();
+    res.status(201).json({ flushed: true });
+  });
+  const server = await listen(app);
+  try {
+    const key = randomUUID();
+    const first = await request(server, { path: '/flush', key, body: {} });
+    assert.equal(first.status, 201);
+    const replay = await request(server, { path: '/flush', key, body: {} });
+    assert.equal(replay.status, 201);
+    assert.ok(replay.body.equals(first.body));
+  } finally {
+    await server.close();
+  }
+});
