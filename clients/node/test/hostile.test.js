@@ -11,6 +11,7 @@ const { test, before, after } = require('node:test');
 const assert = require('node:assert/strict');
 const { randomUUID } = require('node:crypto');
 const express = require('express');
+const pg = require('pg');
 const idempotency = require('..');
 const { literal } = require('../lib/protocol');
 const http = require('node:http');
@@ -252,5 +253,38 @@ test('a client that goes away mid-request: the handler\'s answer is still stored
   } finally {
     held.open();
     await server.close();
+  }
+});
+
+test('an exhausted pool: the claim\'s connection timeout is answered as an error, and nothing leaks', async () => {
+  const small = new pg.Pool({ max: 1, connectionTimeoutMillis: 200 });
+  const held = gate();
+  const entered = gate();
+  const app = express();
+  app.set('env', 'test');
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool: small }));
+  app.post('/hold', async (req, res) => {
+    entered.open();
+    await held.promise;
+    res.status(201).json({});
+  });
+  const server = await listen(app);
+  try {
+    const first = request(server, { path: '/hold', key: randomUUID(), body: {} });
+    await entered.promise;
+    // the pool's one client is the first request's: this one cannot claim
+    const key = randomUUID();
+    assert.equal((await request(server, { path: '/hold', key, body: {} })).status, 500);
+    held.open();
+    assert.equal((await first).status, 201);
+    assert.equal(small.totalCount, 1);
+    assert.equal(small.idleCount, 1);
+    // and the key was never claimed: its retry runs
+    assert.equal((await request(server, { path: '/hold', key, body: {} })).status, 201);
+  } finally {
+    held.open();
+    await server.close();
+    await small.end();
   }
 });
