@@ -124,7 +124,9 @@ function problem(status, title, detail) {
 }
 
 // The key of a request: { key } when it has a usable one, { missing: true },
-// or { error } (a problem to answer with 400)
+// or { error } (a problem to answer with 400). Node reads a header's bytes
+// as latin1, one character each: the key is those bytes read as UTF-8, as
+// every adapter reads them, and its length is theirs.
 function readKey(header) {
   if (header === undefined) return { missing: true };
   let key = Array.isArray(header) ? header.join(', ') : String(header);
@@ -132,11 +134,17 @@ function readKey(header) {
   if (key.length >= 2 && key.startsWith('"') && key.endsWith('"')) {
     key = key.slice(1, -1).replace(/\\(["\\])/g, '$1');
   }
-  if (key === '') return { error: problem(400, 'Invalid Idempotency-Key', 'The Idempotency-Key header is empty.') };
-  if (Buffer.byteLength(key) > MAX_BYTES) {
+  // bytes as Node read them; a string with wider characters (an injected
+  // request, say) is text already
+  const bytes = /[^\x00-\xff]/.test(key) ? Buffer.from(key, 'utf8') : Buffer.from(key, 'latin1');
+  if (bytes.length === 0) return { error: problem(400, 'Invalid Idempotency-Key', 'The Idempotency-Key header is empty.') };
+  if (bytes.length > MAX_BYTES) {
     return { error: problem(400, 'Invalid Idempotency-Key', `The Idempotency-Key header is longer than ${MAX_BYTES} bytes.`) };
   }
-  return { key };
+  if (!isUtf8(bytes)) {
+    return { error: problem(400, 'Invalid Idempotency-Key', 'The Idempotency-Key header is not UTF-8.') };
+  }
+  return { key: bytes.toString('utf8') };
 }
 
 const MISSING_KEY = problem(400, 'Idempotency-Key required', 'This request requires an Idempotency-Key header.');

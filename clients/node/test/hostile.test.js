@@ -80,20 +80,21 @@ test('hostile keys and answers are stored and replayed byte for byte, under any 
   try {
     for (const session of sessions) {
       for (const hostile of HOSTILE) {
-        // a header carries bytes: Node reads them as latin1, so a key is
-        // the hostile string's UTF-8 bytes, one character each
-        const key = Buffer.from(`${hostile} ${randomUUID()}`).toString('latin1');
+        // a header carries bytes, which Node reads as latin1: the key's
+        // UTF-8 bytes go out one character each, and come back as the key
+        const key = `${hostile} ${randomUUID()}`;
+        const header = Buffer.from(key).toString('latin1');
         const answer = Buffer.from(`${hostile}\n${hostile}`);
         const label = randomUUID();
         const headers = { 'x-answer': answer.toString('base64'), 'x-label': label };
         if (session) headers['x-session'] = session;
-        const first = await request(server, { path: '/echo', key, body: hostile, headers });
+        const first = await request(server, { path: '/echo', key: header, body: hostile, headers });
         assert.equal(first.status, 201, `${session}: ${hostile}: ${first.body}`);
         assert.ok(first.body.equals(answer));
         const { rows: [stored] } = await pool.query(KEYS, [key]);
         assert.equal(stored.key, key);
         assert.equal(stored.body, answer.toString());
-        const replay = await request(server, { path: '/echo', key, body: hostile, headers });
+        const replay = await request(server, { path: '/echo', key: header, body: hostile, headers });
         assert.equal(replay.headers['idempotent-replayed'], 'true');
         assert.ok(replay.body.equals(answer), `${session}: ${hostile}`);
         assert.equal(replay.headers.etag, first.headers.etag);
