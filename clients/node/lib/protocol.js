@@ -164,6 +164,8 @@ function pathOf(url) {
 // A scope over 255 bytes is replaced by its hash
 function boundScope(scope) {
   scope = String(scope);
+  // refused here too: its hash would be that of U+FFFD in its place
+  if (LONE_SURROGATE.test(scope)) throw new TypeError('pg-idempotency: a scope with a lone UTF-16 surrogate has no UTF-8 form');
   if (Buffer.byteLength(scope) <= MAX_BYTES) return scope;
   return 'sha256:' + createHash('sha256').update(scope, 'utf8').digest('hex');
 }

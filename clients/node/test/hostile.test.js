@@ -127,7 +127,8 @@ test('an answer with NUL bytes or invalid UTF-8 is stored in base64 and replayed
 
 test('hostile scopes keep each caller apart; one with NUL or a lone surrogate is a 500, nothing claimed', async () => {
   const server = await listen(echoApp({ scope: (req) => req.get('x-scope-base64') === undefined
-    ? 'a\ud800' : Buffer.from(req.get('x-scope-base64'), 'base64').toString() }));
+    ? 'a\ud800'.padEnd(Number(req.get('x-scope-length') ?? 0), '.')
+    : Buffer.from(req.get('x-scope-base64'), 'base64').toString() }));
   try {
     const key = randomUUID();
     const answers = [];
@@ -146,6 +147,9 @@ test('hostile scopes keep each caller apart; one with NUL or a lone surrogate is
     assert.equal(nul.status, 500);
     const surrogate = await request(server, { path: '/echo', key, headers: { 'x-answer': '' } });
     assert.equal(surrogate.status, 500);
+    // one over 255 bytes too, which would be hashed
+    const hashed = await request(server, { path: '/echo', key, headers: { 'x-answer': '', 'x-scope-length': '300' } });
+    assert.equal(hashed.status, 500);
     assert.equal((await pool.query(KEYS, [key])).rows.length, HOSTILE.length);
     await poolSettled();
   } finally {
