@@ -8,7 +8,7 @@ const assert = require('node:assert/strict');
 const { randomUUID } = require('node:crypto');
 const express = require('express');
 const idempotency = require('..');
-const { pool, listen, request, gate, waitFor } = require('./support');
+const { pool, createTables, listen, request, gate, waitFor } = require('./support');
 
 const KEYS = 'SELECT scope, attempt, recovery_point, lease_expires_at, status_code, headers FROM idempotency.keys WHERE key = $1';
 
@@ -17,9 +17,7 @@ async function count(label) {
   return n;
 }
 
-before(async () => {
-  await pool.query('CREATE TABLE IF NOT EXISTS node_items (id serial PRIMARY KEY, label text NOT NULL)');
-});
+before(createTables);
 
 after(() => pool.end());
 
@@ -299,6 +297,36 @@ test('res.flushHeaders() sends nothing before the commit: the status stored is t
     const replay = await request(server, { path: '/flush', key, body: {} });
     assert.equal(replay.status, 201);
     assert.ok(replay.body.equals(first.body));
+  } finally {
+    await server.close();
+  }
+});
+
+test('a COMMIT that fails: the client gets 500 instead of the handler\'s 201, nothing remains, the key is free', async () => {
+  const logged = [];
+  const app = express();
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool, log: (message) => logged.push(message) }));
+  app.post('/deferred', async (req, res) => {
+    // checked at COMMIT only: the handler's answer is already written
+    const times = req.body.twice ? 2 : 1;
+    for (let i = 0; i < times; i++) {
+      await req.idempotency.db.query('INSERT INTO node_deferred (label) VALUES ($1)', [req.body.label]);
+    }
+    res.status(201).json({ label: req.body.label });
+  });
+  const server = await listen(app);
+  try {
+    const label = randomUUID();
+    const key = randomUUID();
+    const failed = await request(server, { path: '/deferred', key, body: { label, twice: true } });
+    assert.equal(failed.status, 500);
+    assert.equal(failed.headers['content-type'], 'application/problem+json');
+    assert.match(logged.join('\n'), /node_deferred_once/);
+    assert.deepEqual((await pool.query('SELECT * FROM node_deferred WHERE label = $1', [label])).rows, []);
+    assert.deepEqual((await pool.query(KEYS, [key])).rows, []);
+    // the same key again (another body, as nothing was stored): it runs
+    assert.equal((await request(server, { path: '/deferred', key, body: { label } })).status, 201);
   } finally {
     await server.close();
   }

@@ -9,7 +9,7 @@ const { randomUUID } = require('node:crypto');
 const { Readable } = require('node:stream');
 const Fastify = require('fastify');
 const idempotency = require('..');
-const { pool, listenFastify, request, gate, waitFor } = require('./support');
+const { pool, createTables, listenFastify, request, gate, waitFor } = require('./support');
 
 const KEYS = 'SELECT scope, attempt, status_code, headers FROM idempotency.keys WHERE key = $1';
 
@@ -18,9 +18,7 @@ async function count(label) {
   return n;
 }
 
-before(async () => {
-  await pool.query('CREATE TABLE IF NOT EXISTS node_items (id serial PRIMARY KEY, label text NOT NULL)');
-});
+before(createTables);
 
 after(() => pool.end());
 

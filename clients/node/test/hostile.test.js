@@ -15,7 +15,7 @@ const pg = require('pg');
 const idempotency = require('..');
 const { literal } = require('../lib/protocol');
 const http = require('node:http');
-const { pool, listen, request, gate, waitFor } = require('./support');
+const { pool, createTables, listen, request, gate, waitFor } = require('./support');
 
 const KEYS = 'SELECT scope, key, body, headers FROM idempotency.keys WHERE key = $1';
 
@@ -26,9 +26,7 @@ const HOSTILE = [
   "caf\u00e9 \u00ff\u00fe", '\u0085\\\'); SELECT 1/0; --', 'x\u2028y\u{1F600}z', '%s%n',
 ];
 
-before(async () => {
-  await pool.query('CREATE TABLE IF NOT EXISTS node_items (id serial PRIMARY KEY, label text NOT NULL)');
-});
+before(createTables);
 
 after(() => pool.end());
 
