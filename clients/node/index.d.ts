@@ -45,7 +45,7 @@ export interface Options<Request = any> {
   storeHeaders?: string[];
   /** The largest request body the Express middleware reads itself, in bytes; default 1 MiB */
   limit?: number;
-  /** Where a response that could not be stored is reported; default process.emitWarning */
+  /** Where an answer not stored, a key not released or a hijacked reply is reported; default process.emitWarning */
   log?: (message: string) => void;
 }
 
