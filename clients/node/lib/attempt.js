@@ -17,6 +17,7 @@ class Attempt {
     this.client = null; // one-transaction: the client inside BEGIN, while it is ours
     this.transaction = null; // one-transaction: the same client, for the handler
     this.lost = null; // one-transaction: the error that ended its connection
+    this.utf8 = true; // one-transaction: whether the database is in UTF8 (P.literal)
     this.attempt = null;
     this.recoveryPoint = null;
     this.heartbeat = null;
@@ -35,7 +36,8 @@ class Attempt {
       try {
         // BEGIN and the claim in one round trip (the simple protocol, so
         // the arguments are literals)
-        const [, result] = await client.query(`BEGIN; ${P.inline(P.CLAIM, args)}`);
+        this.utf8 = await P.utf8Database(s.pool, client);
+        const [, result] = await client.query(`BEGIN; ${P.inline(P.CLAIM, args, this.utf8)}`);
         [claim] = result.rows;
       } catch (error) {
         await this.#rollback(client);
@@ -100,7 +102,7 @@ class Attempt {
           // the completion and COMMIT in one round trip; should the
           // server's policy release the answer after all, the guard's
           // division by zero aborts the transaction before COMMIT
-          await client.query(`${P.inline(P.COMPLETE_OR_ABORT, args)}; COMMIT`);
+          await client.query(`${P.inline(P.COMPLETE_OR_ABORT, args, this.utf8)}; COMMIT`);
         } else {
           // an answer the default policy releases: no COMMIT unless the
           // server stores it, and no ERROR in the server's log

@@ -36,36 +36,48 @@ const EXTEND = 'SELECT idempotency.idem_extend_lease($1, $2, $3, $4::interval)';
 const LOST_CLAIM = new Set(['22I01', '22I02', '22I03']);
 
 // A statement with its $n parameters as literals, for a query string of
-// several statements (node-postgres sends those by the simple protocol)
-function inline(sql, args) {
+// several statements (node-postgres sends those by the simple protocol);
+// utf8: whether the database's encoding is UTF8 (see literal)
+function inline(sql, args, utf8 = true) {
   return sql.replace(/\$(\d+)/g, (_, n) => {
     const value = args[n - 1];
     if (value === null || value === undefined) return 'NULL';
     if (Number.isSafeInteger(value)) return String(value);
-    return literal(String(value));
+    return literal(String(value), utf8);
   });
 }
 
 // Every character but printable ASCII, the quote and the backslash
 const UNSAFE = /[^\x20-\x26\x28-\x5b\x5d-\x7e]/gu;
+// The quote, the backslash and ASCII's control characters
+const UNSAFE_ASCII = /['\\\x00-\x1f\x7f]/g;
 // A UTF-16 surrogate that is not half of a pair (the u flag reads pairs whole)
 const LONE_SURROGATE = /[\ud800-\udfff]/u;
 
-// A string as an SQL literal of printable ASCII only: E'...' with quotes
-// and backslashes doubled and any other character as a \uXXXX or
-// \UXXXXXXXX escape. The server reads it the same whatever the session's
-// settings: no byte of it can be taken for the second byte of a multibyte
-// character (as SJIS, BIG5 or GBK would take a backslash after a lead
-// byte, were a handler to SET client_encoding), an E'' string reads its
-// backslashes whatever standard_conforming_strings says, and a quote is
-// doubled, never \' (which backslash_quote may refuse). A NUL character
-// (\u0000) is refused by the server, as PostgreSQL text has none.
-// node-postgres's escapeLiteral is right for a UTF-8 session only.
-function literal(text) {
+// A string as an SQL literal: E'...' with quotes and backslashes doubled
+// and any other character outside printable ASCII as a \uXXXX or
+// \UXXXXXXXX escape, so printable ASCII only. The server reads it the same
+// whatever the session's settings: no byte of it can be taken for the
+// second byte of a multibyte character (as SJIS, BIG5 or GBK would take a
+// backslash after a lead byte, were a handler to SET client_encoding), an
+// E'' string reads its backslashes whatever standard_conforming_strings
+// says, and a quote is doubled, never \' (which backslash_quote may
+// refuse). A NUL character (\u0000) is refused by the server, as
+// PostgreSQL text has none. node-postgres's escapeLiteral is right for a
+// UTF-8 session only.
+//
+// A \u escape above U+007F needs a database that can convert it, which
+// SQL_ASCII cannot: for a database not in UTF8 (utf8 false), characters
+// beyond ASCII go as they are, in the session's UTF-8 (node-postgres sets
+// client_encoding), and only ASCII's are escaped. A handler that sets a
+// client_encoding such as SJIS there still cannot end the literal early:
+// a quote is never the second byte of a character, and a backslash taken
+// for one leaves a \' that backslash_quote refuses by default.
+function literal(text, utf8 = true) {
   if (LONE_SURROGATE.test(text)) {
     throw new TypeError('pg-idempotency: a string with a lone UTF-16 surrogate has no UTF-8 form');
   }
-  return `E'${text.replace(UNSAFE, escapeCharacter)}'`;
+  return `E'${text.replace(utf8 ? UNSAFE : UNSAFE_ASCII, escapeCharacter)}'`;
 }
 
 function escapeCharacter(c) {
@@ -75,6 +87,19 @@ function escapeCharacter(c) {
   return code > 0xffff
     ? `\\U${code.toString(16).padStart(8, '0')}`
     : `\\u${code.toString(16).padStart(4, '0')}`;
+}
+
+// Whether a pool's database is in UTF8, asked once per pool on a client of
+// it (before the client's first query string with literals)
+const UTF8_DATABASE = new WeakMap();
+async function utf8Database(pool, client) {
+  let known = UTF8_DATABASE.get(pool);
+  if (known === undefined) {
+    const { rows: [row] } = await client.query("SELECT current_setting('server_encoding') = 'UTF8' AS utf8");
+    known = row.utf8;
+    UTF8_DATABASE.set(pool, known);
+  }
+  return known;
 }
 
 // Whether the extension's default idempotency.release_statuses (408, 425,
@@ -240,6 +265,6 @@ function answerTo(claim) {
 
 module.exports = {
   CLAIM, COMPLETE, COMPLETE_OR_ABORT, RELEASED, RELEASE, CHECKPOINT, EXTEND, LOST_CLAIM, MISSING_KEY,
-  inline, literal, likelyStored, interval, settings, problem, readKey, principalOf, pathOf, boundScope,
+  inline, literal, utf8Database, likelyStored, interval, settings, problem, readKey, principalOf, pathOf, boundScope,
   storedResponse, answerTo, claimArgs,
 };

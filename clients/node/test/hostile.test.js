@@ -291,3 +291,38 @@ test('an exhausted pool: the claim\'s connection timeout is answered as an error
     await small.end();
   }
 });
+
+test('a database in SQL_ASCII: characters beyond ASCII go as they are, and come back byte for byte', async () => {
+  // a \u escape above U+007F is an error there ("conversion between UTF8
+  // and SQL_ASCII is not supported")
+  const name = `${pool.options.database ?? process.env.PGDATABASE}_sql_ascii`;
+  await pool.query(`DROP DATABASE IF EXISTS ${name} WITH (FORCE)`);
+  await pool.query(`CREATE DATABASE ${name} ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0`);
+  const ascii = new pg.Pool({ database: name, max: 2 });
+  ascii.on('error', () => {}); // its sessions end with the DROP DATABASE below
+  try {
+    await ascii.query('CREATE EXTENSION idempotency');
+    await ascii.query('CREATE TABLE node_items (id serial PRIMARY KEY, label text NOT NULL)');
+    const server = await listen(echoApp({ pool: ascii }));
+    try {
+      for (const hostile of HOSTILE) {
+        const key = `${hostile} ${randomUUID()}`;
+        const answer = Buffer.from(`${hostile}\n${hostile}`);
+        const headers = { 'x-answer': answer.toString('base64') };
+        const header = Buffer.from(key).toString('latin1');
+        const first = await request(server, { path: '/echo', key: header, body: hostile, headers });
+        assert.equal(first.status, 201, `${hostile}: ${first.body}`);
+        const { rows: [stored] } = await ascii.query(KEYS, [key]);
+        assert.equal(stored.key, key);
+        const replay = await request(server, { path: '/echo', key: header, body: hostile, headers });
+        assert.equal(replay.headers['idempotent-replayed'], 'true');
+        assert.ok(replay.body.equals(answer), hostile);
+      }
+    } finally {
+      await server.close();
+    }
+  } finally {
+    await ascii.end();
+    await pool.query(`DROP DATABASE IF EXISTS ${name} WITH (FORCE)`);
+  }
+});
