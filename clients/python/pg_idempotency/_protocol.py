@@ -130,6 +130,8 @@ def parse_key(raw: Optional[bytes]) -> Union[str, Answer, None]:
         return problem(400, "the Idempotency-Key header is empty")
     if len(value) > MAX_BYTES:
         return problem(400, f"the Idempotency-Key header is longer than {MAX_BYTES} bytes")
+    if b"\x00" in value:  # a text parameter cannot hold it
+        return problem(400, "the Idempotency-Key header contains a NUL byte")
     try:
         return value.decode("utf-8")
     except UnicodeDecodeError:
@@ -146,9 +148,13 @@ def default_scope(principal: Optional[str], method: str, path: str) -> str:
 
 
 def bounded_scope(scope: str) -> str:
-    """A scope over 255 bytes becomes ``sha256:`` and its hex digest."""
+    """A scope over 255 bytes becomes ``sha256:`` and its hex digest.
+
+    So does one with a NUL character (a path with ``%00``), which no text
+    parameter can hold.
+    """
     raw = scope.encode("utf-8")
-    if len(raw) <= MAX_BYTES:
+    if len(raw) <= MAX_BYTES and "\x00" not in scope:
         return scope
     return "sha256:" + hashlib.sha256(raw).hexdigest()
 

@@ -23,7 +23,7 @@ from starlette.requests import Request
 
 from ._protocol import (
     CHECKPOINT, CLAIM, COMPLETE, EXTEND_LEASE, ONE_TRANSACTION, RELEASE, Answer, Claim,
-    Context, IdempotencyKeyLost, Options, bounded_scope, claim_times, complete_params,
+    Context, IdempotencyKeyLost, Options, bounded_scope, check_mode, claim_times, complete_params,
     default_fingerprint, default_scope, is_lost_key, is_too_large, lost_key, missing_key,
     not_claimed, parse_key,
 )
@@ -136,12 +136,15 @@ class IdempotencyMiddleware:
             return await _send_answer(send, key)
 
         body = await _read_body(receive)
+        if body is None:  # the client left before its body arrived: nothing to answer
+            return
         request = Request(scope, _replaying(body, receive))
         await request.body()  # read once, cached for the options' functions
         receive = _replaying(body, receive)  # the handler's
         key_scope = bounded_scope(await self._scope(request))
         fingerprint = await self._fingerprint(request, body)
-        mode = self.options.mode_of(request)
+        mode = check_mode(await _maybe_await(
+            self.options.mode(request) if callable(self.options.mode) else self.options.mode))
         params = (key_scope, key, fingerprint, self.options, mode)
         if mode == ONE_TRANSACTION:
             answer = await self._one_transaction(scope, receive, *params)
@@ -232,8 +235,11 @@ class IdempotencyMiddleware:
         except IdempotencyKeyLost:
             return lost_key()
         except BaseException:
+            # shielded: a cancelled request (the server's, or a task group's)
+            # still frees its key rather than leave it to the lease
+            release = asyncio.ensure_future(self._run(RELEASE, (key_scope, key, attempt)))
             with contextlib.suppress(psycopg.Error):  # lost already, or the database is gone
-                await self._run(RELEASE, (key_scope, key, attempt))
+                await asyncio.shield(release)
             raise
         finally:
             heartbeat.cancel()
@@ -265,16 +271,21 @@ class IdempotencyMiddleware:
                             context.key, error)
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def _read_body(receive: Receive) -> Optional[bytes]:
+    """The whole request body, or None if the client disconnected first.
+
+    A partial body must not be claimed nor reach the handler: its
+    fingerprint is not the request's, and the handler's answer to it (a
+    400, stored) would be replayed to the client's retry.
+    """
     chunks = []
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            break
+            return None  # http.disconnect
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
+            return b"".join(chunks)
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

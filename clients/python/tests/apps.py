@@ -6,6 +6,10 @@
   POST /slow     two transactions: checkpoints "started", waits for GATE,
                  checkpoints "finishing", answers its attempt and the
                  recovery point it was given
+  POST /slow-boom  two transactions: checkpoints "started", then raises
+  POST /sql-error  a statement that fails in the claim's transaction
+  POST /echo     (Starlette) the body back; 400 if it is not JSON
+  POST /file     (Flask) send_file of BINARY: a direct-passthrough response
 
 "Authorization: Bearer NAME" is the principal of each (Starlette's
 request.user, Django's request.user.pk, Flask's g.user). Options: a wait of
@@ -14,6 +18,7 @@ request.user, Django's request.user.pk, Flask's g.user). Options: a wait of
 import asyncio
 import contextlib
 import getpass
+import io
 import json
 import os
 import threading
@@ -25,7 +30,8 @@ INSERT = "INSERT INTO orders (sku, qty) VALUES (%s, %s) RETURNING id"
 
 
 def slow_mode(request):
-    return "two_transaction" if request.path.endswith("/slow") else "one_transaction"
+    two = request.path.endswith(("/slow", "/slow-boom"))
+    return "two_transaction" if two else "one_transaction"
 
 
 def starlette_app(pool, **options):
@@ -66,6 +72,19 @@ def starlette_app(pool, **options):
         return JSONResponse({"attempt": context.attempt,
                              "recovery_point": context.recovery_point})
 
+    async def slow_boom(request):
+        await request.state.idempotency.checkpoint("started")
+        raise RuntimeError("slow boom")
+
+    async def sql_error(request):
+        await request.state.idempotency.conn.execute("SELECT 1/0")
+
+    async def echo(request):
+        try:
+            return JSONResponse(json.loads(await request.body()))
+        except ValueError:
+            return Response(b"not JSON", status_code=400)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await pool.open(wait=True)
@@ -75,14 +94,15 @@ def starlette_app(pool, **options):
     options = {**OPTIONS, "mode": lambda r: slow_mode(r.url), **options}
     return Starlette(
         routes=[Route(path, handler, methods=["POST"]) for path, handler in
-                (("/orders", orders), ("/binary", binary), ("/boom", boom), ("/slow", slow))],
+                (("/orders", orders), ("/binary", binary), ("/boom", boom), ("/slow", slow),
+                 ("/slow-boom", slow_boom), ("/sql-error", sql_error), ("/echo", echo))],
         middleware=[Middleware(AuthenticationMiddleware, backend=Bearer()),
                     Middleware(IdempotencyMiddleware, pool=pool, **options)],
         lifespan=lifespan)
 
 
 def flask_app(pool):
-    from flask import Flask, Response, g, jsonify, request
+    from flask import Flask, Response, g, jsonify, request, send_file
 
     from pg_idempotency.flask import Idempotency
 
@@ -118,6 +138,19 @@ def flask_app(pool):
         g.idempotency.checkpoint("finishing")
         return jsonify(attempt=g.idempotency.attempt,
                        recovery_point=g.idempotency.recovery_point)
+
+    @app.post("/slow-boom")
+    def slow_boom():
+        g.idempotency.checkpoint("started")
+        raise RuntimeError("slow boom")
+
+    @app.post("/sql-error")
+    def sql_error():
+        g.idempotency.conn.execute("SELECT 1/0")
+
+    @app.post("/file")
+    def file():
+        return send_file(io.BytesIO(BINARY), mimetype="application/octet-stream")
 
     return app
 
@@ -166,8 +199,16 @@ def django_views():
         return JsonResponse({"attempt": request.idempotency.attempt,
                              "recovery_point": request.idempotency.recovery_point})
 
+    def slow_boom(request):
+        request.idempotency.checkpoint("started")
+        raise RuntimeError("slow boom")
+
+    def sql_error(request):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1/0")
+
     return [path("orders", orders), path("binary", binary), path("boom", boom),
-            path("slow", slow)]
+            path("slow", slow), path("slow-boom", slow_boom), path("sql-error", sql_error)]
 
 
 def django_app():
