@@ -90,7 +90,7 @@ class Options(Generic[R]):
         return check_mode(self.mode(request) if callable(self.mode) else self.mode)
 
     def heartbeat_seconds(self) -> float:
-        lease = self.lease or timedelta(minutes=1)  # idempotency.lease's default
+        lease = _interval(self.lease) or timedelta(minutes=1)  # idempotency.lease's default
         return lease.total_seconds() / 3
 
 
@@ -168,12 +168,12 @@ def principal_of(user: Any) -> Optional[str]:
     """A principal's name: its ``id`` (attribute or item), or the value itself."""
     if user is None:
         return None
-    for get in (lambda: user.id, lambda: user["id"]):
-        try:
-            return str(get())
-        except (AttributeError, KeyError, TypeError, IndexError):
-            pass
-    return str(user)
+    if hasattr(user, "id"):
+        return str(user.id)
+    try:
+        return str(user["id"])
+    except (KeyError, TypeError, IndexError):
+        return str(user)
 
 
 @dataclass
@@ -215,12 +215,16 @@ def lost_key() -> Answer:
     return problem(409, "this request's Idempotency-Key was taken over by a retry")
 
 
+# how the body is framed is the server's business on each answer, never stored
+FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
+
+
 def stored_headers(headers: Iterable[tuple[str, str]], allow: Collection[str]) -> dict[str, str]:
     """The allow-listed headers, lower-cased; repeated ones joined with ", "."""
     kept: dict[str, str] = {}
     for name, value in headers:
         name = name.lower()
-        if name in allow:
+        if name in allow and name not in FRAMING_HEADERS:
             kept[name] = f"{kept[name]}, {value}" if name in kept else value
     return kept
 

@@ -41,11 +41,12 @@ log = logging.getLogger("pg_idempotency")
 
 def idempotency_connection(request: Request) -> AsyncConnection[Any]:
     """FastAPI dependency: the connection inside the claim's transaction."""
-    context = getattr(request.state, "idempotency", None)
-    if context is None or context.conn is None:
+    context: Optional[Context] = getattr(request.state, "idempotency", None)
+    conn: Optional[AsyncConnection[Any]] = None if context is None else context.conn
+    if conn is None:
         raise RuntimeError("no idempotency transaction: the request has no Idempotency-Key, "
                            "or its route is in the two_transaction mode")
-    return context.conn
+    return conn
 
 
 def principal(scope: Scope) -> Optional[str]:
@@ -162,7 +163,8 @@ class IdempotencyMiddleware:
 
     async def _fingerprint(self, request: Request, body: bytes) -> Optional[str]:
         if self.options.fingerprint is not None:
-            return await _maybe_await(self.options.fingerprint(request))
+            fingerprint = await _maybe_await(self.options.fingerprint(request))
+            return None if fingerprint is None else str(fingerprint)
         path = request.scope.get("root_path", "") + request.scope["path"]
         query = request.scope.get("query_string", b"").decode("latin-1")
         return default_fingerprint(request.method, f"{path}?{query}" if query else path, body)

@@ -165,8 +165,12 @@ def test_two_transactions_an_exception_stops_the_heartbeat_and_releases(server, 
 
 def test_hostile_keys_and_paths(server, db):
     # a NUL byte (no text parameter holds it), bytes that are not UTF-8:
-    # 400 (uvicorn refuses the NUL itself), never a 500
-    assert post(server, "/orders", order(), "a\x00b").status == 400
+    # 400, never a 500; uvicorn's parser refuses the NUL itself, and may
+    # reset the connection before its 400 is read
+    try:
+        assert post(server, "/orders", order(), "a\x00b").status == 400
+    except (ConnectionResetError, BrokenPipeError):
+        pass
     assert post(server, "/orders", order(), "\xff\xfe").status == 400
     # quotes and SQL are a key like any other, stored as sent
     unique = uuid.uuid4()
