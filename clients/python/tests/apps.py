@@ -10,6 +10,8 @@
   POST /sql-error  a statement that fails in the claim's transaction
   POST /echo     (Starlette) the body back; 400 if it is not JSON
   POST /file     (Flask) send_file of BINARY: a direct-passthrough response
+  POST /async-orders  (Django) /orders as an async view; X-Fail-Status: S
+                 answers S after the insert
 
 "Authorization: Bearer NAME" is the principal of each (Starlette's
 request.user, Django's request.user.pk, Flask's g.user). Options: a wait of
@@ -113,7 +115,8 @@ def flask_app(pool):
         scheme, _, name = request.headers.get("Authorization", "").partition(" ")
         g.user = name if scheme.lower() == "bearer" and name else None
 
-    Idempotency(app, pool=pool, mode=slow_mode, **OPTIONS)
+    # the app factory's way (examples/flask has Idempotency(app, ...))
+    Idempotency(pool=pool, mode=slow_mode, **OPTIONS).init_app(app)
 
     @app.post("/orders")
     def orders():
@@ -173,6 +176,7 @@ def django_bearer(get_response):
 
 
 def django_views():
+    from asgiref.sync import sync_to_async
     from django.db import connection
     from django.http import HttpResponse, JsonResponse
     from django.urls import path
@@ -199,6 +203,18 @@ def django_views():
         return JsonResponse({"attempt": request.idempotency.attempt,
                              "recovery_point": request.idempotency.recovery_point})
 
+    async def async_orders(request):  # under ASGI: the ORM's thread is the middleware's
+        body = json.loads(request.body)
+
+        def insert():
+            with connection.cursor() as cursor:
+                cursor.execute(INSERT, [body["sku"], body["qty"]])
+                return cursor.fetchone()[0]
+
+        order_id = await sync_to_async(insert)()
+        status = int(request.headers.get("X-Fail-Status", "201"))
+        return JsonResponse({"id": order_id}, status=status)
+
     def slow_boom(request):
         request.idempotency.checkpoint("started")
         raise RuntimeError("slow boom")
@@ -208,7 +224,8 @@ def django_views():
             cursor.execute("SELECT 1/0")
 
     return [path("orders", orders), path("binary", binary), path("boom", boom),
-            path("slow", slow), path("slow-boom", slow_boom), path("sql-error", sql_error)]
+            path("slow", slow), path("slow-boom", slow_boom), path("sql-error", sql_error),
+            path("async-orders", async_orders)]
 
 
 def django_app():

@@ -30,12 +30,12 @@ def free_port():
 
 
 @contextlib.contextmanager
-def serve_asgi(app):
+def serve_asgi(app, lifespan="on"):
     import uvicorn
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+                                           log_level="warning", lifespan=lifespan))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

@@ -247,3 +247,20 @@ def test_asgi_a_client_that_leaves_mid_body_claims_nothing(db):
         assert stored(db, key) == []
         reply = post(port, "/echo", {"whole": True}, key)
         assert reply.status == 200 and reply.json() == {"whole": True}
+
+
+def test_django_under_asgi_an_async_view_runs_in_the_transaction(db):
+    from django.core.asgi import get_asgi_application
+
+    django_app()  # the settings
+    with serve_asgi(get_asgi_application(), lifespan="off") as port:
+        body, key = order(), str(uuid.uuid4())
+        first = post(port, "/async-orders", body, key)
+        assert first.status == 201, first.body
+        again = post(port, "/async-orders", body, key)
+        assert again.replayed and again.body == first.body
+        # a 503 after the insert: released, and the insert rolled back with it
+        failed, failed_key = order(), str(uuid.uuid4())
+        assert post(port, "/async-orders", failed, failed_key, X_Fail_Status="503").status == 503
+    assert rows(db, body["sku"]) == 1
+    assert rows(db, failed["sku"]) == 0 and stored(db, failed_key) == []
