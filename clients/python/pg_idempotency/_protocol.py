@@ -200,8 +200,7 @@ def not_claimed(claim: Claim) -> Answer:
     if claim.outcome == "replay":
         stored = json.loads(claim.headers) if claim.headers else {}
         body = decode_body(claim.body, stored)
-        headers = [(name, str(value)) for name, value in stored.items() if name != BODY_ENCODING]
-        return Answer(claim.status_code or 200, [*headers, REPLAYED], body)
+        return Answer(claim.status_code or 200, [*replayed_headers(stored), REPLAYED], body)
     if claim.outcome == "in_progress":
         retry_after = max(1, claim.lease_left or 1)
         return problem(409, "a request with this Idempotency-Key is still in progress",
@@ -219,17 +218,37 @@ def lost_key() -> Answer:
 FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
 
 
-def stored_headers(headers: Iterable[tuple[str, str]], allow: Collection[str]) -> dict[str, str]:
-    """The allow-listed headers, lower-cased; repeated ones joined with ", "."""
-    kept: dict[str, str] = {}
+StoredHeaders = dict[str, Union[str, list[str]]]
+
+
+def stored_headers(headers: Iterable[tuple[str, str]], allow: Collection[str]) -> StoredHeaders:
+    """The allow-listed headers, lower-cased; one sent more than once as the
+    list of its values (as the Node package stores it), replayed as sent."""
+    kept: StoredHeaders = {}
     for name, value in headers:
         name = name.lower()
-        if name in allow and name not in FRAMING_HEADERS:
-            kept[name] = f"{kept[name]}, {value}" if name in kept else value
+        if name not in allow or name in FRAMING_HEADERS:
+            continue
+        if name not in kept:
+            kept[name] = value
+        else:
+            before = kept[name]
+            kept[name] = [*before, value] if isinstance(before, list) else [before, value]
     return kept
 
 
-def encode_body(body: bytes, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
+def replayed_headers(stored: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The stored headers as (name, value) pairs, a list's values one by one."""
+    pairs = []
+    for name, value in stored.items():
+        if name == BODY_ENCODING:
+            continue
+        for one in value if isinstance(value, list) else [value]:
+            pairs.append((name, str(one)))
+    return pairs
+
+
+def encode_body(body: bytes, headers: StoredHeaders) -> tuple[str, StoredHeaders]:
     """Text when the body is UTF-8 without NUL, else base64 and a marker header."""
     try:
         text = body.decode("utf-8")

@@ -10,6 +10,7 @@
   POST /sql-error  a statement that fails in the claim's transaction
   POST /echo     (Starlette) the body back; 400 if it is not JSON
   POST /file     (Flask) send_file of BINARY: a direct-passthrough response
+  POST /vary     (Starlette, Flask) a response with two Vary headers
   POST /async-orders  (Django) /orders as an async view; X-Fail-Status: S
                  answers S after the insert
 
@@ -81,6 +82,11 @@ def starlette_app(pool, **options):
     async def sql_error(request):
         await request.state.idempotency.conn.execute("SELECT 1/0")
 
+    async def vary(request):
+        response = Response(b"two Vary headers", media_type="text/plain; charset=utf-8")
+        response.raw_headers += [(b"vary", b"Accept"), (b"vary", b"Authorization")]
+        return response
+
     async def echo(request):
         try:
             return JSONResponse(json.loads(await request.body()))
@@ -97,7 +103,8 @@ def starlette_app(pool, **options):
     return Starlette(
         routes=[Route(path, handler, methods=["POST"]) for path, handler in
                 (("/orders", orders), ("/binary", binary), ("/boom", boom), ("/slow", slow),
-                 ("/slow-boom", slow_boom), ("/sql-error", sql_error), ("/echo", echo))],
+                 ("/slow-boom", slow_boom), ("/sql-error", sql_error), ("/echo", echo),
+                 ("/vary", vary))],
         middleware=[Middleware(AuthenticationMiddleware, backend=Bearer()),
                     Middleware(IdempotencyMiddleware, pool=pool, **options)],
         lifespan=lifespan)
@@ -150,6 +157,11 @@ def flask_app(pool):
     @app.post("/sql-error")
     def sql_error():
         g.idempotency.conn.execute("SELECT 1/0")
+
+    @app.post("/vary")
+    def vary():
+        return Response("two Vary headers", mimetype="text/plain",
+                        headers=[("Vary", "Accept"), ("Vary", "Authorization")])
 
     @app.post("/file")
     def file():

@@ -65,7 +65,8 @@ def serve_wsgi(app):
 class Reply:
     def __init__(self, status, headers, body):
         self.status, self.body = status, body
-        self.headers = {name.lower(): value for name, value in headers}
+        self.raw_headers = [(name.lower(), value) for name, value in headers]
+        self.headers = dict(self.raw_headers)
 
     def json(self):
         return json.loads(self.body)

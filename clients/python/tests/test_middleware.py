@@ -264,3 +264,24 @@ def test_django_under_asgi_an_async_view_runs_in_the_transaction(db):
         assert post(port, "/async-orders", failed, failed_key, X_Fail_Status="503").status == 503
     assert rows(db, body["sku"]) == 1
     assert rows(db, failed["sku"]) == 0 and stored(db, failed_key) == []
+
+
+@pytest.mark.parametrize("adapter", ["asgi", "flask"])
+def test_a_header_sent_twice_is_replayed_twice(adapter, db):
+    if adapter == "asgi":
+        pool = AsyncConnectionPool("", open=False, min_size=1, kwargs=POOL_KWARGS)
+        serve = serve_asgi(starlette_app(pool))
+    else:
+        pool = ConnectionPool("", open=True, min_size=1, kwargs=POOL_KWARGS)
+        serve = serve_wsgi(flask_app(pool))
+    key = str(uuid.uuid4())
+    with serve as port:
+        first = post(port, "/vary", key=key)
+        again = post(port, "/vary", key=key)
+    if adapter == "flask":
+        pool.close()
+    assert again.replayed and again.body == first.body == b"two Vary headers"
+    assert [v for n, v in again.raw_headers if n == "vary"] == ["Accept", "Authorization"]
+    assert again.headers["content-type"] == first.headers["content-type"]
+    assert db.execute("SELECT headers->'vary' FROM idempotency.keys WHERE key = %s",
+                      (key,)).fetchone()[0] == ["Accept", "Authorization"]
