@@ -148,13 +148,11 @@ class IdempotencyMiddleware:
             self.options.mode(request) if callable(self.options.mode) else self.options.mode))
         params = (key_scope, key, fingerprint, self.options, mode)
         if mode == ONE_TRANSACTION:
-            answer = await self._one_transaction(scope, receive, *params)
+            answer = await self._one_transaction(scope, receive, send, *params)
         else:
-            answer = await self._two_transaction(scope, receive, *params)
-        if isinstance(answer, Answer):
+            answer = await self._two_transaction(scope, receive, send, *params)
+        if answer is not None:
             await _send_answer(send, answer)
-        else:
-            await _send_buffered(send, answer)
 
     async def _scope(self, request: Request) -> str:
         if self.options.scope is not None:
@@ -169,24 +167,66 @@ class IdempotencyMiddleware:
         query = request.scope.get("query_string", b"").decode("latin-1")
         return default_fingerprint(request.method, f"{path}?{query}" if query else path, body)
 
-    async def _one_transaction(self, scope: Scope, receive: Receive, key_scope: str, key: str,
-                               fingerprint: Optional[str], options: Options[Request],
-                               mode: str) -> Answer | _Buffered:
+    async def _one_transaction(self, scope: Scope, receive: Receive, send: Send, key_scope: str,
+                               key: str, fingerprint: Optional[str], options: Options[Request],
+                               mode: str) -> Optional[Answer]:
+        """Claim, run the handler, store and commit, then send its response.
+
+        The response is sent as soon as the handler has given all of it and
+        the transaction has committed, not when the handler returns:
+        Starlette's background tasks run after that, outside the transaction.
+        Returns the answer to send when the handler did not run.
+        """
         async with self.pool.connection() as conn:
-            async with conn.transaction():
+            transaction = contextlib.AsyncExitStack()
+            try:
+                await transaction.enter_async_context(conn.transaction())
                 claim = Claim(*await _fetch(conn, CLAIM, (key_scope, key, fingerprint) +
                                             claim_times(options, mode)))
-                if claim.outcome != "claimed":
-                    return not_claimed(claim)
-                scope.setdefault("state", {})["idempotency"] = Context(
-                    key, key_scope, mode, claim.attempt, claim.recovery_point, conn=conn)
-                response = _Buffered()
-                # an exception rolls the transaction back: claim and writes
-                await self.app(scope, receive, response.send)
-                outcome = await self._complete(conn, key_scope, key, response, None)
+            except BaseException as error:
+                await transaction.__aexit__(type(error), error, error.__traceback__)
+                raise
+            if claim.outcome != "claimed":
+                await transaction.aclose()
+                return not_claimed(claim)
+            scope.setdefault("state", {})["idempotency"] = Context(
+                key, key_scope, mode, claim.attempt, claim.recovery_point, conn=conn)
+            response, ended = _Buffered(), False
+
+            async def end(error: Optional[BaseException]) -> None:
+                """Commit (or roll back) once; then the client gets the response."""
+                nonlocal ended
+                if ended:
+                    return
+                ended = True
+                if error is not None:  # claim and writes rolled back
+                    await transaction.__aexit__(type(error), error, error.__traceback__)
+                    return
+                try:
+                    outcome = await self._complete(conn, key_scope, key, response, None)
+                except BaseException as failed:
+                    await transaction.__aexit__(type(failed), failed, failed.__traceback__)
+                    raise
                 if outcome == "released":  # a transient status: undo the writes too
-                    raise psycopg.Rollback()
-        return response
+                    await transaction.__aexit__(psycopg.Rollback, psycopg.Rollback(), None)
+                else:
+                    await transaction.aclose()  # COMMIT: a failure reaches the client as a 500
+                await _send_buffered(send, response)
+
+            async def send_at_end(message: Message) -> None:
+                if ended:
+                    return  # nothing after the response's end
+                await response.send(message)
+                if response.complete:
+                    await end(None)
+
+            try:
+                await self.app(scope, receive, send_at_end)
+            except BaseException as error:
+                await end(error)
+                raise
+            await end(None)  # a handler that never finished its response
+        return None
 
     async def _complete(self, conn: AsyncConnection[Any], key_scope: str, key: str,
                         response: _Buffered, attempt: Optional[int]) -> str:
@@ -209,9 +249,9 @@ class IdempotencyMiddleware:
             async with conn.transaction():
                 return await _fetch(conn, sql, params)
 
-    async def _two_transaction(self, scope: Scope, receive: Receive, key_scope: str, key: str,
-                               fingerprint: Optional[str], options: Options[Request],
-                               mode: str) -> Answer | _Buffered:
+    async def _two_transaction(self, scope: Scope, receive: Receive, send: Send, key_scope: str,
+                               key: str, fingerprint: Optional[str], options: Options[Request],
+                               mode: str) -> Optional[Answer]:
         claim = Claim(*await self._run(CLAIM, (key_scope, key, fingerprint) +
                                        claim_times(options, mode)))
         if claim.outcome != "claimed":
@@ -231,12 +271,51 @@ class IdempotencyMiddleware:
         context._checkpoint = checkpoint
         scope.setdefault("state", {})["idempotency"] = context
         heartbeat = asyncio.create_task(self._heartbeat(context))
-        response = _Buffered()
+        response, ended = _Buffered(), False
+
+        async def stop_heartbeat() -> None:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+
+        async def end() -> None:
+            """Store the answer (fenced by the attempt), then send it; once."""
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            await stop_heartbeat()
+            try:
+                async with self.pool.connection() as conn:
+                    async with conn.transaction():
+                        await self._complete(conn, key_scope, key, response, attempt)
+            except psycopg.Error as error:
+                if not is_lost_key(error):
+                    raise
+                await _send_answer(send, lost_key())  # a retry took the key over
+                return
+            await _send_buffered(send, response)
+
+        async def send_at_end(message: Message) -> None:
+            if ended:
+                return  # nothing after the response's end
+            await response.send(message)
+            if response.complete:
+                await end()
+
         try:
-            await self.app(scope, receive, response.send)
+            await self.app(scope, receive, send_at_end)
         except IdempotencyKeyLost:
+            if ended:
+                raise
+            ended = True
+            await stop_heartbeat()
             return lost_key()
         except BaseException:
+            if ended:  # answered already: a background task failed
+                raise
+            ended = True
+            await stop_heartbeat()
             # shielded: a cancelled request (the server's, or a task group's)
             # still frees its key rather than leave it to the lease
             release = asyncio.ensure_future(self._run(RELEASE, (key_scope, key, attempt)))
@@ -244,18 +323,10 @@ class IdempotencyMiddleware:
                 await asyncio.shield(release)
             raise
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
-        try:
-            async with self.pool.connection() as conn:
-                async with conn.transaction():
-                    await self._complete(conn, key_scope, key, response, attempt)
-        except psycopg.Error as error:
-            if is_lost_key(error):
-                return lost_key()
-            raise
-        return response
+            if not heartbeat.done():
+                await stop_heartbeat()
+        await end()  # a handler that never finished its response
+        return None
 
     async def _heartbeat(self, context: Context) -> None:
         """idem_extend_lease every third of the lease, until the key is lost."""

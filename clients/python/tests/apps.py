@@ -11,6 +11,7 @@
   POST /echo     (Starlette) the body back; 400 if it is not JSON
   POST /file     (Flask) send_file of BINARY: a direct-passthrough response
   POST /vary     (Starlette, Flask) a response with two Vary headers
+  POST /background  (Starlette) /orders with a background task (BACKGROUND_*)
   POST /async-orders  (Django) /orders as an async view; X-Fail-Status: S
                  answers S after the insert
 
@@ -27,8 +28,12 @@ import os
 import threading
 
 GATE = threading.Event()
+# /background's task: waits for BACKGROUND_GATE, then counts its row from a
+# connection of its own into BACKGROUND_SAW
+BACKGROUND_GATE, BACKGROUND_SAW = threading.Event(), []
 BINARY = bytes(range(256)) * 4
 OPTIONS = {"wait": 0.2, "lease": 1.2, "required": True}
+POOL_KWARGS = {"autocommit": True, "prepare_threshold": None}
 INSERT = "INSERT INTO orders (sku, qty) VALUES (%s, %s) RETURNING id"
 
 
@@ -38,7 +43,9 @@ def slow_mode(request):
 
 
 def starlette_app(pool, **options):
+    import psycopg
     from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
     from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
     from starlette.middleware import Middleware
     from starlette.middleware.authentication import AuthenticationMiddleware
@@ -82,6 +89,20 @@ def starlette_app(pool, **options):
     async def sql_error(request):
         await request.state.idempotency.conn.execute("SELECT 1/0")
 
+    async def background(request):
+        body = await request.json()
+        await request.state.idempotency.conn.execute(INSERT, (body["sku"], body["qty"]))
+
+        async def count_the_row():
+            await asyncio.to_thread(BACKGROUND_GATE.wait, 10)
+            async with await psycopg.AsyncConnection.connect("", **POOL_KWARGS) as own:
+                cursor = await own.execute("SELECT count(*) FROM orders WHERE sku = %s",
+                                           (body["sku"],))
+                BACKGROUND_SAW.append((await cursor.fetchone())[0])
+
+        return JSONResponse({"sku": body["sku"]}, status_code=201,
+                            background=BackgroundTask(count_the_row))
+
     async def vary(request):
         response = Response(b"two Vary headers", media_type="text/plain; charset=utf-8")
         response.raw_headers += [(b"vary", b"Accept"), (b"vary", b"Authorization")]
@@ -104,7 +125,7 @@ def starlette_app(pool, **options):
         routes=[Route(path, handler, methods=["POST"]) for path, handler in
                 (("/orders", orders), ("/binary", binary), ("/boom", boom), ("/slow", slow),
                  ("/slow-boom", slow_boom), ("/sql-error", sql_error), ("/echo", echo),
-                 ("/vary", vary))],
+                 ("/vary", vary), ("/background", background))],
         middleware=[Middleware(AuthenticationMiddleware, backend=Bearer()),
                     Middleware(IdempotencyMiddleware, pool=pool, **options)],
         lifespan=lifespan)

@@ -9,7 +9,8 @@ import uuid
 import pytest
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from apps import BINARY, GATE, django_app, flask_app, starlette_app
+from apps import (BACKGROUND_GATE, BACKGROUND_SAW, BINARY, GATE, django_app, flask_app,
+                  starlette_app)
 from conftest import POOL_KWARGS, post, serve_asgi, serve_wsgi
 
 
@@ -285,3 +286,20 @@ def test_a_header_sent_twice_is_replayed_twice(adapter, db):
     assert again.headers["content-type"] == first.headers["content-type"]
     assert db.execute("SELECT headers->'vary' FROM idempotency.keys WHERE key = %s",
                       (key,)).fetchone()[0] == ["Accept", "Authorization"]
+
+
+def test_asgi_background_tasks_run_after_the_commit_and_the_answer(db):
+    pool = AsyncConnectionPool("", open=False, min_size=1, kwargs=POOL_KWARGS)
+    BACKGROUND_GATE.clear()
+    BACKGROUND_SAW.clear()
+    with serve_asgi(starlette_app(pool)) as port:
+        body = order()
+        # answered while the task still waits for the gate
+        reply = post(port, "/background", body, str(uuid.uuid4()))
+        assert reply.status == 201 and not BACKGROUND_SAW
+        BACKGROUND_GATE.set()
+        for _ in range(3000):
+            if BACKGROUND_SAW:
+                break
+            db.execute("SELECT pg_sleep(0.01)")
+    assert BACKGROUND_SAW == [1]  # committed before the task ran
