@@ -222,10 +222,11 @@ class IdempotencyMiddleware:
 
             try:
                 await self.app(scope, receive, send_at_end)
+                if not ended:
+                    raise _unfinished()
             except BaseException as error:
                 await end(error)
                 raise
-            await end(None)  # a handler that never finished its response
         return None
 
     async def _complete(self, conn: AsyncConnection[Any], key_scope: str, key: str,
@@ -325,7 +326,10 @@ class IdempotencyMiddleware:
         finally:
             if not heartbeat.done():
                 await stop_heartbeat()
-        await end()  # a handler that never finished its response
+        if not ended:
+            with contextlib.suppress(psycopg.Error):
+                await self._run(RELEASE, (key_scope, key, attempt))
+            raise _unfinished()
         return None
 
     async def _heartbeat(self, context: Context) -> None:
@@ -342,6 +346,12 @@ class IdempotencyMiddleware:
                     return
                 log.warning("idempotency key %r: extending the lease failed: %s",
                             context.key, error)
+
+
+def _unfinished() -> RuntimeError:
+    """The app returned before its response's end (a StreamingResponse whose
+    client left, say): what it sent is not stored, and its writes are undone."""
+    return RuntimeError("the application returned without completing its response")
 
 
 async def _read_body(receive: Receive) -> Optional[bytes]:

@@ -12,6 +12,8 @@
   POST /file     (Flask) send_file of BINARY: a direct-passthrough response
   POST /vary     (Starlette, Flask) a response with two Vary headers
   POST /background  (Starlette) /orders with a background task (BACKGROUND_*)
+  POST /unfinished, /slow-unfinished  (Starlette) a raw ASGI endpoint that
+                 inserts (one transaction) and returns mid-response
   POST /async-orders  (Django) /orders as an async view; X-Fail-Status: S
                  answers S after the insert
 
@@ -38,7 +40,7 @@ INSERT = "INSERT INTO orders (sku, qty) VALUES (%s, %s) RETURNING id"
 
 
 def slow_mode(request):
-    two = request.path.endswith(("/slow", "/slow-boom"))
+    two = request.path.endswith(("/slow", "/slow-boom", "/slow-unfinished"))
     return "two_transaction" if two else "one_transaction"
 
 
@@ -103,6 +105,16 @@ def starlette_app(pool, **options):
         return JSONResponse({"sku": body["sku"]}, status_code=201,
                             background=BackgroundTask(count_the_row))
 
+    class Unfinished:  # a raw ASGI endpoint
+        async def __call__(self, scope, receive, send):
+            conn = scope["state"]["idempotency"].conn
+            if conn is not None:
+                key = dict(scope["headers"])[b"idempotency-key"].decode()
+                await conn.execute(INSERT, (key, 1))  # the key as its sku
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"the beginning",
+                        "more_body": True})
+
     async def vary(request):
         response = Response(b"two Vary headers", media_type="text/plain; charset=utf-8")
         response.raw_headers += [(b"vary", b"Accept"), (b"vary", b"Authorization")]
@@ -125,7 +137,8 @@ def starlette_app(pool, **options):
         routes=[Route(path, handler, methods=["POST"]) for path, handler in
                 (("/orders", orders), ("/binary", binary), ("/boom", boom), ("/slow", slow),
                  ("/slow-boom", slow_boom), ("/sql-error", sql_error), ("/echo", echo),
-                 ("/vary", vary), ("/background", background))],
+                 ("/vary", vary), ("/background", background))] +
+               [Route(path, Unfinished()) for path in ("/unfinished", "/slow-unfinished")],
         middleware=[Middleware(AuthenticationMiddleware, backend=Bearer()),
                     Middleware(IdempotencyMiddleware, pool=pool, **options)],
         lifespan=lifespan)

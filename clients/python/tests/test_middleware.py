@@ -201,6 +201,7 @@ def test_failures_give_every_connection_back(adapter, db):
     else:
         pool = ConnectionPool("", open=True, min_size=2, max_size=2, timeout=5,
                               kwargs=POOL_KWARGS)
+        pool.wait()  # both connections made (the lifespan does it for Starlette)
         serve = serve_wsgi(flask_app(pool))
     with serve as port:
         for path in failing * 3:
@@ -303,3 +304,13 @@ def test_asgi_background_tasks_run_after_the_commit_and_the_answer(db):
                 break
             db.execute("SELECT pg_sleep(0.01)")
     assert BACKGROUND_SAW == [1]  # committed before the task ran
+
+
+@pytest.mark.parametrize("path", ["/unfinished", "/slow-unfinished"])
+def test_asgi_a_response_left_unfinished_is_not_stored(path, db):
+    pool = AsyncConnectionPool("", open=False, min_size=1, kwargs=POOL_KWARGS)
+    key = str(uuid.uuid4())
+    with serve_asgi(starlette_app(pool)) as port:
+        reply = post(port, path, key=key)
+        assert reply.status == 500  # ServerErrorMiddleware's
+    assert stored(db, key) == [] and rows(db, key) == 0
