@@ -115,8 +115,9 @@ class IdempotencyMiddleware:
     of doc/http.md: methods, required, scope, fingerprint, wait, lease, ttl,
     mode ("one_transaction" or "two_transaction") and store_headers.
     ``required``, ``mode``, ``scope`` and ``fingerprint`` take a Starlette
-    Request (they may be async; the body is already read:
-    ``await request.body()``).
+    Request and may be async; the last three are called once the body is
+    read (``await request.body()``), ``required`` (asked only when the key
+    is missing) before.
     """
 
     def __init__(self, app: ASGIApp, *, pool: Any, **options: Any) -> None:
