@@ -39,8 +39,11 @@ def _response(answer: Answer) -> HttpResponse:
     response = HttpResponse(answer.body, status=answer.status)
     if not any(name.lower() == "content-type" for name, _ in answer.headers):
         del response["Content-Type"]
+    values: dict[str, list[str]] = {}
     for name, value in answer.headers:
-        response[name] = value
+        values.setdefault(name, []).append(value)
+    for name, sent in values.items():  # a Django response has each name once
+        response[name] = ", ".join(sent)
     return response
 
 

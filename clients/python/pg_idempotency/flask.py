@@ -122,11 +122,11 @@ class Idempotency:
 
         if mode == ONE_TRANSACTION:
             transaction = contextlib.ExitStack()
-            conn = transaction.enter_context(self.pool.connection())
-            transaction.enter_context(conn.transaction())
             try:
+                conn = transaction.enter_context(self.pool.connection())
+                transaction.enter_context(conn.transaction())
                 claim = Claim(*_fetch(conn, CLAIM, params))
-            except BaseException as error:
+            except BaseException as error:  # the connection goes back to the pool
                 transaction.__exit__(type(error), error, error.__traceback__)
                 raise
             if claim.outcome != "claimed":
@@ -152,31 +152,41 @@ class Idempotency:
         state: Optional[_State] = g.pop("_idempotency_state", None)
         if state is None:
             return response
+        try:
+            return self._store_answer(state, response)
+        except BaseException:
+            # the state is no longer on g, so teardown_request cannot see it:
+            # free the key and return the connection here
+            self._abandon(state)
+            raise
+
+    def _store_answer(self, state: _State, response: Response) -> Response:
         context = state.context
         if state.heartbeat is not None:
             state.heartbeat.stop()
+        if response.direct_passthrough:  # send_file: read the file, to store it
+            response.direct_passthrough = False
         params = complete_params(context.scope, context.key, response.status_code,
                                  list(response.headers.items()), response.get_data(),
                                  self.options, context.attempt)
-        try:
-            if state.transaction is not None:
-                conn = context.conn
-                if conn.info.transaction_status == TransactionStatus.INERROR:
-                    state.rollback()  # the handler's SQL failed: nothing was kept
-                    if response.status_code >= 500:
-                        return response
-                    return self._response(problem(500, "the transaction failed"))
-                outcome = self._complete(conn, params)
-                if outcome == "released":  # a transient status: undo the writes too
-                    state.rollback()
-                else:
-                    state.commit()
+        if state.transaction is not None:
+            conn = context.conn
+            if conn.info.transaction_status == TransactionStatus.INERROR:
+                state.rollback()  # the handler's SQL failed: nothing was kept
+                if response.status_code >= 500:
+                    return response
+                return self._response(problem(500, "the transaction failed"))
+            outcome = self._complete(conn, params)
+            if outcome == "released":  # a transient status: undo the writes too
+                state.rollback()
             else:
-                with self.pool.connection() as conn, conn.transaction():
-                    self._complete(conn, params)
-        except BaseException as error:
-            state.rollback()
-            if isinstance(error, psycopg.Error) and is_lost_key(error):
+                state.commit()
+            return response
+        try:
+            with self.pool.connection() as conn, conn.transaction():
+                self._complete(conn, params)
+        except psycopg.Error as error:
+            if is_lost_key(error):
                 return self._response(lost_key())  # a retry took the key over
             raise
         return response
@@ -198,11 +208,14 @@ class Idempotency:
     def _teardown(self, error: Optional[BaseException]) -> None:
         """A request that never reached after_request: roll back, release."""
         state: Optional[_State] = g.pop("_idempotency_state", None)
-        if state is None:
-            return
+        if state is not None:
+            self._abandon(state)
+
+    def _abandon(self, state: _State) -> None:
+        """Stop the heartbeat, free the key, give the connection back."""
         if state.heartbeat is not None:
             state.heartbeat.stop()
-            with contextlib.suppress(psycopg.Error):
+            with contextlib.suppress(psycopg.Error):  # lost already, or the database is gone
                 self._run(RELEASE, (state.context.scope, state.context.key,
                                     state.context.attempt))
         state.rollback()
