@@ -43,7 +43,7 @@ OBJS = \
 	src/bgw/purge.o \
 	src/bgw/worker.o \
 	src/bgw/worker_xact.o
-DATA = idempotency--1.0.sql idempotency--1.0--1.1.sql
+DATA = idempotency--1.0.sql idempotency--1.0--1.1.sql idempotency--1.1--1.2.sql
 PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 
 # Warnings are errors.  -Wextra's unused-parameter fires on the server's own
