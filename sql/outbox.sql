@@ -109,10 +109,11 @@ SELECT count(*) AS fetched_after_expiry FROM idem_outbox_fetch('expiry', 1);
 SELECT state, attempts, last_error FROM outbox WHERE id = :expiry_id;
 RESET idempotency.outbox_max_attempts;
 
--- Requeue brings a dead row back with its attempts reset; discard drops
+-- Requeue brings a dead row back with its failures reset (its attempts,
+-- the hand-outs, stay); discard drops
 -- one.  Both are false for a row that is not dead.
 SELECT idem_outbox_requeue(:id) AS requeued, idem_outbox_requeue(:id) AS requeued_twice;
-SELECT state, attempts FROM outbox WHERE id = :id;
+SELECT state, attempts, failures FROM outbox WHERE id = :id;
 SELECT id = :id AS head_is_back FROM idem_outbox_fetch('leases', 10);
 SELECT idem_outbox_discard(:later_id) AS discard_not_dead;
 SELECT idem_outbox_discard(:expiry_id) AS discarded, idem_outbox_discard(:expiry_id) AS discarded_twice;
