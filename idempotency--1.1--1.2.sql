@@ -31,10 +31,11 @@ ALTER TABLE idempotency.outbox ADD COLUMN failures integer NOT NULL DEFAULT 0;
  * carried: one more than its attempts is above the fence of a hand-out a
  * nack put back (taken back by one), and a row requeued at 1.1 (attempts
  * reset to 0) may have been handed out up to outbox_max_attempts times
- * before it died.  A pending row never handed out nor failed (attempts 0,
- * no last_error: most of a backlog) has no earlier fence, and is left as it
- * is, as are published rows (failures 0): no decision reads them, and the
- * update is spared their rewrite.
+ * before it died.  A pending row never handed out nor failed has no earlier
+ * fence (attempts 0, no last_error, and available since it was enqueued: a
+ * put-back made it available later), and is left as it is, as are
+ * published rows (failures 0): no decision reads them, and the update is
+ * spared the rewrite of most of a backlog.
  */
 DO $$
 DECLARE
@@ -43,7 +44,8 @@ DECLARE
 BEGIN
 	UPDATE idempotency.outbox
 	SET failures = attempts, attempts = greatest(attempts + 1, max_attempts)
-	WHERE state = 'pending' AND (attempts > 0 OR last_error IS NOT NULL);
+	WHERE state = 'pending'
+	  AND (attempts > 0 OR last_error IS NOT NULL OR available_at <> created_at);
 	UPDATE idempotency.outbox SET failures = attempts
 	WHERE state = 'dead' AND attempts > 0;
 	UPDATE idempotency.outbox SET failures = attempts - 1
