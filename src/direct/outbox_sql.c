@@ -864,6 +864,9 @@ outbox_sql_begin_on(OutboxSqlContext *context, Oid shard)
 			return false;
 		}
 		current_shard = plans_of_shard(shard);
+		/* a shard that missed the update's new column is served as at 1.1 */
+		if (get_attnum(shard, "failures") == InvalidAttrNumber)
+			outbox_schema = OUTBOX_SCHEMA_1_1;
 	}
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
