@@ -2,7 +2,8 @@
 #
 #   make test   install what is missing, build, install, and run every suite
 #               (pg_regress, isolation, TAP) against temporary instances
-#   make demo   a tour of the extension on a throwaway cluster
+#   make demo   a tour of the extension on a throwaway cluster (installs only
+#               the server, its client and development packages, and a compiler)
 #   make bench  the benchmarks, side by side with plain SQL (not a test)
 #   make test-matrix  make test on Debian bookworm, trixie and sid (PostgreSQL
 #               15, 17, 18), each in a chroot of its own (scripts/matrix.sh)
@@ -58,7 +59,7 @@ TEST_CONF = $(CURDIR)/test/idempotency.conf
 
 # pg_regress: one file per topic under sql/, expected output under expected/
 REGRESS = setup keys_claim keys_claim_scan keys_complete keys_lease keys_extend_lease keys_wait keys_fingerprint keys_input \
-	keys_release_policy keys_security events events_batch outbox outbox_batch outbox_routes ddl_guard
+	keys_release_policy keys_security events events_batch outbox outbox_batch outbox_routes ddl_guard outbox_fetch_plan
 
 # pg_isolation_regress: specs/*.spec, expected output under expected/
 ISOLATION = claim_concurrent claim_rollback claim_lease claim_isolation_levels claim_result_times claim_wait claim_wait_lease \
@@ -95,7 +96,7 @@ $(OBJS): $(wildcard src/*.h src/*/*.h)
 include-graph:
 	python3 scripts/include-graph.py
 
-.PHONY: test demo bench bench-citus test-matrix check-regress check-isolation check-tap check-citus check-examples check-installcheck
+.PHONY: test demo bench bench-http bench-citus test-matrix check-regress check-isolation check-tap check-citus check-examples check-installcheck
 
 # The scripts pick the server version themselves (scripts/common.sh): a
 # PG_CONFIG or PG_MAJOR given on make's command line or in the environment
@@ -110,6 +111,10 @@ demo:
 
 bench:
 	scripts/bench.sh
+
+# the HTTP middleware against its handler alone (FRAMEWORKS="express fastapi")
+bench-http:
+	bench/http.sh
 
 # MATRIX="17 18" (or suite names) picks a subset
 test-matrix:
@@ -131,7 +136,7 @@ check-tap:
 # t/citus/*.pl: a coordinator and two workers, when the citus extension is
 # installed in this server (it is not among Debian's packages: see
 # doc/integrations/citus.md); without it, one line says the suite did not run
-CITUS_INSTALLED = $(wildcard $(shell $(PG_CONFIG) --sharedir)/extension/citus.control)
+CITUS_INSTALLED = $(wildcard $(shell $(PG_CONFIG) --sharedir 2>/dev/null)/extension/citus.control)
 check-citus: PROVE_TESTS = t/citus/*.pl
 check-citus:
 ifneq ($(CITUS_INSTALLED),)
@@ -163,6 +168,20 @@ check-installcheck:
 	PG_CONFIG=$(PG_CONFIG) scripts/with-server.sh \
 		$(MAKE) --no-print-directory PG_CONFIG=$(PG_CONFIG) installcheck TAP_TESTS=
 
+# The SQL edition (sql-edition/, PL/pgSQL and SQL only, for servers without
+# the C library): dist/idempotency-sql--<version>.sql, assembled from the C
+# edition's scripts and sql-edition/*.sql (scripts/build-sql-edition.py)
+.PHONY: dist check-sql-edition
+dist:
+	python3 scripts/build-sql-edition.py
+
+# The SQL edition installed by a role without superuser on a server without
+# the C library, its catalog compared with the C edition's, and the C
+# edition's key and event tests run against it, with the differences of
+# sql-edition/differences.patch (scripts/check-sql-edition.sh)
+check-sql-edition:
+	PG_CONFIG=$(PG_CONFIG) scripts/check-sql-edition.sh
+
 # The Debian package (debian/, pg_buildext): built in a scratch copy,
 # installed, and tested with installcheck against the installed library
 # (as root; scripts/check-deb.sh)
@@ -188,6 +207,15 @@ check-fuzz:
 .PHONY: check-sanitize
 check-sanitize:
 	PG_CONFIG=$(PG_CONFIG) scripts/check-sanitize.sh
+
+# The README's quick start, its commands as written there, as root in a
+# fresh copy of a minimal Debian 12 without init (debootstrap
+# --variant=minbase, made once and cached): the install must start no
+# service and leave nothing running (scripts/check-quickstart.sh;
+# QUICKSTART_SUITES picks make test's suites there)
+.PHONY: check-quickstart
+check-quickstart:
+	scripts/check-quickstart.sh
 
 # Every ```sql block of README.md and doc/**/*.md, run in order in a fresh
 # database per file against a temporary instance that preloads the library;

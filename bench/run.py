@@ -3,7 +3,8 @@
 
 Starts a throwaway cluster (shared_buffers 256MB, max_wal_size 4GB, fsync and
 synchronous_commit on: a normal durable server) with the library preloaded,
-runs every workload with pgbench -M prepared, 8 clients, BENCH_SECONDS (15)
+runs every workload with pgbench -M prepared, 8 clients (1 for the
+batch against its single calls: one consumer), BENCH_SECONDS (15)
 seconds, three rounds, ours and the reference alternating within each round
 so that machine drift cancels out, each run after a VACUUM of the tables
 (autovacuum leaves them alone meanwhile) and a CHECKPOINT, and prints a table
@@ -22,7 +23,9 @@ and with 1,000 waiters on 1,000 keys; and claim + complete with 1,000
 waiters parked, against the same without them.
 
 Environment: BENCH_SECONDS, BENCH_ROUNDS, BENCH_PUBLISH_SECONDS, BENCH_PURGE_ROWS,
-BENCH_WAITERS (1000), BENCH_PARTS (a subset of pairs,shapes,publish,wait,purge,outbox),
+BENCH_WAITERS (1000), BENCH_PARTS (a subset of
+pairs,shapes,publish,wait,purge,outbox,endtoend,cold), BENCH_E2E_SECONDS (30),
+BENCH_COLD_ROWS (50000),
 BENCH_PAIRS (names of
 the pairs to run, comma-separated; all by default), BENCH_EXTRA_CONF
 (postgresql.conf lines for the cluster, separated by ';'), PG_CONFIG.
@@ -49,10 +52,12 @@ PUBLISH_SECONDS = int(os.environ.get("BENCH_PUBLISH_SECONDS", "60"))
 CLIENTS = 8
 THREADS = 2
 PURGE_ROWS = int(os.environ.get("BENCH_PURGE_ROWS", "1000000"))
-PARTS = os.environ.get("BENCH_PARTS", "pairs,shapes,publish,wait,purge,outbox").split(",")
+PARTS = os.environ.get("BENCH_PARTS",
+                       "pairs,shapes,publish,wait,purge,outbox,endtoend,cold").split(",")
 WAITERS = int(os.environ.get("BENCH_WAITERS", "1000"))
 
-# (name in the JSON, our script, the reference script, the bar)
+# (name in the JSON, our script, the reference script, the bar (None: the
+# figure is printed without one), and pgbench's options when not 8 clients)
 # The replay pair goes first, while the keys table holds the same 100,000
 # stored responses as its reference: the claims of the other pairs grow it
 # several times over, past what shared_buffers holds beside the reference.
@@ -64,7 +69,26 @@ PAIRS = [
     ("enqueue_vs_insert", "enqueue.sql", "insert_outbox.sql", 0.90),
     # 500 new event ids per transaction on every side: tps ratio = events/s ratio
     ("mark_batch_vs_insert", "mark_processed_batch.sql", "insert_events_batch.sql", 0.90),
-    ("mark_batch_vs_single", "mark_processed_batch.sql", "mark_processed_500.sql", 10.0),
+    # one consumer, who waits for each of the 500 round trips: the shape the
+    # batch is for
+    ("mark_batch_vs_single", "mark_processed_batch.sql", "mark_processed_500.sql", 10.0,
+     {"clients": 1}),
+    # the same with 8 clients, without a bar: on a few cores the single
+    # calls' round trips cost only their CPU, the other clients' work
+    # filling their waits (issue 19)
+    ("mark_batch_vs_single_8_clients", "mark_processed_batch.sql", "mark_processed_500.sql",
+     None),
+]
+
+# EDITION=sql: the SQL edition (make dist's script, which scripts/bench.sh
+# builds and names in BENCH_SQL_EDITION) against the C edition, in the same
+# run: the lines of bench_edition, each with its ratio SQL / C
+EDITION = os.environ.get("EDITION", "c")
+SQL_EDITION_SCRIPT = os.environ.get("BENCH_SQL_EDITION", "")
+EDITION_LINES = [
+    ("replay", "replay.sql"),
+    ("claim_complete", "claim_complete.sql"),
+    ("mark_processed", "mark_processed.sql"),
 ]
 
 PG_CONFIG = os.environ.get("PG_CONFIG", "/usr/lib/postgresql/15/bin/pg_config")
@@ -76,7 +100,7 @@ AS_RUNNER = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
 class Cluster:
     """A throwaway cluster on a unix socket, removed on exit."""
 
-    def __init__(self, extra_conf="", port_offset=0):
+    def __init__(self, extra_conf="", port_offset=0, preload=True):
         self.dir = tempfile.mkdtemp(prefix="idempotency-bench.")
         os.chmod(self.dir, 0o755)
         if os.geteuid() == 0:
@@ -86,8 +110,8 @@ class Cluster:
         self.run([f"{PGBIN}/initdb", "-D", f"{self.dir}/data", "-A", "trust",
                   "-U", "postgres", "--no-sync"], quiet=True)
         with open(f"{self.dir}/data/postgresql.conf", "a") as conf:
-            conf.write(f"""
-shared_preload_libraries = 'idempotency'
+            conf.write(("shared_preload_libraries = 'idempotency'\n"
+                        "idempotency.naptime = '100ms'\n" if preload else "") + f"""
 listen_addresses = ''
 unix_socket_directories = '{self.dir}'
 port = {self.port}
@@ -96,7 +120,8 @@ fsync = on
 synchronous_commit = on
 max_connections = 100
 max_wal_size = 4GB
-idempotency.naptime = '100ms'
+# the waiters' part parks claims for the whole of a pgbench run
+idempotency.max_wait = '10min'
 """ + os.environ.get("BENCH_EXTRA_CONF", "").replace(";", "\n") + "\n" + extra_conf)
         self.run([f"{PGBIN}/pg_ctl", "-D", f"{self.dir}/data", "-l",
                   f"{self.dir}/server.log", "-w", "start"], quiet=True)
@@ -448,6 +473,195 @@ def bench_outbox(cluster, summary):
     pair_tables_autovacuum(cluster, True)
 
 
+# --- a relay that keeps up, whatever the statistics say (issue 29, item 8) ---
+
+E2E_SECONDS = int(os.environ.get("BENCH_E2E_SECONDS", "30"))
+E2E_PRODUCERS = 4
+E2E_RELAY_AFTER = 5
+COLD_ROWS = int(os.environ.get("BENCH_COLD_ROWS", "50000"))
+BENCH_PAYLOAD = ('{"order_id": 123456, "customer": {"id": 987654, "name": "Alice Example",'
+                 ' "email": "alice@example.com"}, "items": [{"sku": "SKU-0001", "qty": 2,'
+                 ' "price": 19.99}, {"sku": "SKU-0002", "qty": 1, "price": 5.49}],'
+                 ' "total": 45.47, "currency": "EUR", "status": "created", "note": "leave at the door"}')
+
+
+def bench_end_to_end(cluster, summary):
+    """E2E_PRODUCERS clients enqueue single events (the pairs' payload, 1,000
+    keys) for E2E_SECONDS; E2E_RELAY_AFTER seconds in, one relay connects
+    and fetches batches of 100 and acknowledges them, fenced, each in
+    autocommit, as fast as it can (a relay restarted under load);
+    autovacuum on (naptime 5 s, so that it visits the outbox during a
+    round).  Each round starts from an empty outbox whose statistics say
+    so (an ANALYZE of it empty), and a new relay connection.  The backlog
+    is the rows not acknowledged when the producers stop; the goal: at most
+    two batches, in every round."""
+    print(f"\n== end to end: {E2E_PRODUCERS} producers enqueue for {E2E_SECONDS} s, one relay"
+          f" from {E2E_RELAY_AFTER} s in fetches 100 + acks (fenced); autovacuum on (naptime 5 s); goal: backlog at the end"
+          " <= 200 rows in every round", flush=True)
+    cluster.psql("ALTER SYSTEM SET autovacuum_naptime = '5s'")
+    cluster.psql("SELECT pg_reload_conf()")
+    cluster.psql("ALTER TABLE idempotency.outbox RESET (autovacuum_enabled)")
+    backlogs = []
+    for round_no in range(ROUNDS):
+        cluster.psql("TRUNCATE idempotency.outbox")
+        cluster.psql("ANALYZE idempotency.outbox")
+        cluster.psql("CHECKPOINT")
+        counts = "SELECT coalesce(sum(autovacuum_count), 0) || '|' || coalesce(sum(autoanalyze_count), 0)" \
+                 " FROM pg_stat_user_tables WHERE relid = 'idempotency.outbox'::regclass"
+        before = [int(n) for n in cluster.psql(counts).split("|")]
+        # not cluster.pgbench: a producer's failure is reported, and the
+        # round measured all the same
+        producers = cluster.run_async([f"{PGBIN}/pgbench", "-n", "-M", "prepared",
+                                       "-c", str(E2E_PRODUCERS), "-j", str(THREADS),
+                                       "-T", str(E2E_SECONDS),
+                                       "-f", os.path.join(WORKLOADS, "enqueue_e2e.sql"),
+                                       "-h", cluster.dir, "-p", str(cluster.port), "-U", "postgres",
+                                       "postgres"], stdout=subprocess.PIPE)
+        # the relay (re)connects once the producers have run for a while:
+        # its first fetches meet a backlog, as after a relay's restart
+        time.sleep(E2E_RELAY_AFTER)
+        relay = cluster.run_async([f"{PGBIN}/pgbench", "-n", "-M", "prepared", "-c", "1",
+                                   "-T", str(E2E_SECONDS + 600),
+                                   "-f", os.path.join(WORKLOADS, "relay_e2e.sql"), "-h", cluster.dir,
+                                   "-p", str(cluster.port), "-U", "postgres", "postgres"])
+        try:
+            out, err = producers.communicate()
+            backlog = int(cluster.psql("SELECT count(*) FROM idempotency.outbox"
+                                       " WHERE topic = 'e2e' AND state <> 'published'"))
+        finally:
+            relay.terminate()
+            relay.wait()
+        relay_errors = [line for line in relay.stderr.read().splitlines() if "error" in line.lower()]
+        producer_errors = [line for line in err.splitlines() if "error" in line.lower()]
+        processed = re.search(r"number of transactions actually processed: (\d+)", out)
+        after = [int(n) for n in cluster.psql(counts).split("|")]
+        backlogs.append(backlog)
+        print(f"round {round_no + 1}: enqueued {int(processed[1]) / E2E_SECONDS if processed else 0:.0f}"
+              f" events/s; backlog at the end {backlog}"
+              f" ({'ok' if backlog <= 200 else 'MISS'}); autovacuum {after[0] - before[0]},"
+              f" autoanalyze {after[1] - before[1]} times meanwhile", flush=True)
+        for who, errors in (("a producer", producer_errors), ("the relay", relay_errors)):
+            if errors:
+                print(f"   {who} failed: {errors[0]}", flush=True)
+    print(f"backlog at the end of each round: {' '.join(str(b) for b in backlogs)}"
+          f" (goal <= 200 in every round: {'ok' if max(backlogs) <= 200 else 'MISS'})", flush=True)
+    summary["e2e_backlog_max"] = max(backlogs)
+    cluster.psql("ALTER SYSTEM RESET autovacuum_naptime")
+    cluster.psql("SELECT pg_reload_conf()")
+    cluster.psql("TRUNCATE idempotency.outbox")
+
+
+def fill_cold(cluster, rows):
+    """rows events of topic cold, the pairs' payload, by enqueue_batch of 100,
+    each row's key one of 1,000 in turn."""
+    cluster.psql(f"SELECT count(*) FROM generate_series(0, {rows // 100 - 1}) b,"
+                 f" LATERAL idempotency.idem_outbox_enqueue_batch('cold',"
+                 f" array_fill('{BENCH_PAYLOAD}'::jsonb, ARRAY[100]),"
+                 f" (SELECT array_agg('order-' || (b * 100 + n) % 1000) FROM generate_series(0, 99) n))")
+
+
+def bench_cold_relay(cluster, summary):
+    """A relay's fetch of 100 (each acknowledged after, untimed) on a
+    backlog of COLD_ROWS: steady (the median of 50 calls on a connection
+    that made 20 before), a new connection's first call and the slowest of
+    its first five (the median over ten connections), and the same after
+    stale statistics (an ANALYZE of the outbox with 3 rows in it, then the
+    backlog enqueued; the median over five connections), and the calls
+    11 to 30 of a connection then, on the plan it keeps.  Each against the
+    steady fetch; the goal: at most 2x.  For scale, a new connection's
+    first fetch of an empty topic (the backend's own start: its caches,
+    the statements prepared), and the first fetch of the backlog after it
+    (the plans, which were custom ones for a connection's first five
+    calls).  Timed by the client, over the Unix
+    socket, with the statement sent unprepared every time (psycopg's
+    automatic preparation off), the same for every call.  Then the bytes
+    per outbox row: pg_total_relation_size after the COLD_ROWS rows."""
+    import psycopg
+    conninfo = dict(host=cluster.dir, port=cluster.port, user="postgres", dbname="postgres",
+                    autocommit=True)
+
+    def connect():
+        conn = psycopg.connect(**conninfo)
+        conn.prepare_threshold = None
+        return conn
+
+    def fetch(conn):
+        start = time.perf_counter()
+        rows = conn.execute("SELECT id, attempts FROM idempotency.idem_outbox_fetch('cold', 100,"
+                            " '30 seconds')").fetchall()
+        took = (time.perf_counter() - start) * 1000
+        if len(rows) != 100:
+            raise SystemExit(f"a cold-relay fetch returned {len(rows)} rows")
+        conn.execute("SELECT idempotency.idem_outbox_ack(%s::bigint[], %s::int[])",
+                     ([r[0] for r in rows], [r[1] for r in rows]))
+        return took
+
+    print(f"\n== cold relay: fetch of 100 on a backlog of {COLD_ROWS} rows, against the steady"
+          " fetch; goal <= 2x", flush=True)
+    cluster.psql("ALTER TABLE idempotency.outbox SET (autovacuum_enabled = off)")
+    cluster.psql("TRUNCATE idempotency.outbox")
+    fill_cold(cluster, COLD_ROWS)
+    size = int(cluster.psql("SELECT pg_total_relation_size('idempotency.outbox')"))
+    heap = int(cluster.psql("SELECT pg_table_size('idempotency.outbox')"))
+    print(f"bytes per outbox row: {size / COLD_ROWS:.0f} (heap {heap / COLD_ROWS:.0f},"
+          f" indexes {(size - heap) / COLD_ROWS:.0f}; {COLD_ROWS} rows of the pairs' payload)",
+          flush=True)
+    summary["outbox_bytes_per_row"] = round(size / COLD_ROWS)
+    cluster.psql("VACUUM (ANALYZE) idempotency.outbox")
+    cluster.psql("CHECKPOINT")
+    with connect() as conn:
+        for _ in range(20):
+            fetch(conn)
+        steady = statistics.median(fetch(conn) for _ in range(50))
+    # each of ten new connections: its first five fetches
+    fresh = []
+    for _ in range(10):
+        with connect() as conn:
+            fresh.append([fetch(conn) for _ in range(5)])
+    # what a new backend's first call costs whatever the backlog (its
+    # caches filled, the statements prepared): the first fetch of a topic
+    # with no rows; and then the first of the backlog, whose plans (five
+    # custom ones, left to plancache.c) are what remains of a cold start
+    empty, after_empty = [], []
+    for _ in range(10):
+        with connect() as conn:
+            start = time.perf_counter()
+            conn.execute("SELECT * FROM idempotency.idem_outbox_fetch('cold-none', 100)").fetchall()
+            empty.append((time.perf_counter() - start) * 1000)
+            after_empty.append(fetch(conn))
+    cluster.psql("TRUNCATE idempotency.outbox")
+    cluster.psql(f"SELECT count(*) FROM idempotency.idem_outbox_enqueue_batch('cold',"
+                 f" array_fill('{BENCH_PAYLOAD}'::jsonb, ARRAY[3]))")
+    cluster.psql("ANALYZE idempotency.outbox")
+    fill_cold(cluster, COLD_ROWS)
+    cluster.psql("CHECKPOINT")
+    stale = []
+    for _ in range(5):
+        with connect() as conn:
+            stale.append([fetch(conn) for _ in range(5)])
+    with connect() as conn:
+        kept = [fetch(conn) for _ in range(30)][10:]
+    # a single call's time is at the mercy of the machine's other work:
+    # the median over the new connections of each
+    ratios = {"new connection, first fetch": statistics.median(f[0] for f in fresh) / steady,
+              "new connection, first fetch after one of an empty topic":
+                  statistics.median(after_empty) / steady,
+              "new connection, slowest of its first five": statistics.median(max(f) for f in fresh) / steady,
+              "stale statistics, first fetch": statistics.median(f[0] for f in stale) / steady,
+              "stale statistics, slowest of the first five": statistics.median(max(f) for f in stale) / steady,
+              "stale statistics, calls 11-30 of a connection": statistics.median(kept) / steady}
+    print(f"steady fetch {steady:.2f} ms (median of 50); below, the median over 10 new connections"
+          " (5 with stale statistics)", flush=True)
+    for label, ratio in ratios.items():
+        print(f"{label}: {ratio * steady:.2f} ms, {ratio:.2f}x ({'ok' if ratio <= 2 else 'MISS'})",
+              flush=True)
+    print(f"(a new connection's first fetch of an empty topic: {statistics.median(empty):.2f} ms:"
+          " the backend's own start, whatever the backlog)", flush=True)
+    summary["cold_fetch_vs_steady_max"] = round(max(ratios.values()), 2)
+    cluster.psql("TRUNCATE idempotency.outbox")
+    cluster.psql("ALTER TABLE idempotency.outbox RESET (autovacuum_enabled)")
+
+
 def fill_expired(cluster, table):
     cluster.psql(f"""
         INSERT INTO {table} (scope, key, attempt, status_code, body, ttl, created_at,
@@ -725,6 +939,63 @@ def bench_wait():
     return results
 
 
+REPLAY_ROWS = """
+INSERT INTO idempotency.keys (scope, key, fingerprint, attempt, status_code, body, headers,
+                              ttl, created_at, completed_at, expires_at)
+SELECT 'replay', n::text, NULL, 1, 201, '{"id": ' || n || ', "status": "created"}',
+       '{"Location": "/payments/1"}', '24 hours', now(), now(), now() + interval '24 hours'
+FROM generate_series(1, 100000) n"""
+
+
+def bench_edition(summary):
+    """The SQL edition against the C edition, in the same run: two fresh
+    clusters from the same binaries and settings, one preloading the library
+    (CREATE EXTENSION), the other without it, where a role that only holds
+    CREATE on the database ran make dist's script; each with the same
+    100,000 stored responses.  Each line's rounds alternate which edition
+    goes first; the ratio is the median of the rounds' SQL / C."""
+    if not SQL_EDITION_SCRIPT:
+        raise SystemExit("EDITION=sql needs BENCH_SQL_EDITION: make bench builds the script")
+    c_cluster = Cluster(port_offset=1)
+    sql_cluster = Cluster(port_offset=2, preload=False)
+    try:
+        c_cluster.psql("CREATE EXTENSION idempotency")
+        sql_cluster.psql("CREATE ROLE idem_owner LOGIN; "
+                         "GRANT CREATE ON DATABASE postgres TO idem_owner")
+        sql_cluster.run([f"{PGBIN}/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", sql_cluster.dir,
+                         "-p", str(sql_cluster.port), "-U", "idem_owner", "-d", "postgres",
+                         "-f", SQL_EDITION_SCRIPT])
+        for cluster in (c_cluster, sql_cluster):
+            cluster.psql(REPLAY_ROWS)
+        print(f"\n== the SQL edition against the C edition ({CLIENTS} clients, {SECONDS} s,"
+              f" {ROUNDS} rounds alternating)")
+        header = f"{'workload':28} {'SQL tps':>10} {'lat ms':>7} {'C tps':>10} {'lat ms':>7} {'SQL/C':>6}"
+        print(header)
+        print("-" * len(header))
+        for name, script in EDITION_LINES:
+            results = {"sql": [], "c": []}
+            for round_no in range(ROUNDS):
+                order = [("sql", sql_cluster), ("c", c_cluster)]
+                if round_no % 2:
+                    order.reverse()
+                for side, cluster in order:
+                    cluster.psql("VACUUM (ANALYZE) idempotency.keys, idempotency.processed_events")
+                    cluster.psql("CHECKPOINT")
+                    results[side].append(cluster.pgbench(script, SECONDS))
+            ratios = [sql_tps / c_tps for (sql_tps, _), (c_tps, _) in zip(results["sql"], results["c"])]
+            ratio = statistics.median(ratios)
+            median = {side: (statistics.median(t for t, _ in runs), statistics.median(l for _, l in runs))
+                      for side, runs in results.items()}
+            print(f"{name:28} {median['sql'][0]:10.0f} {median['sql'][1]:7.2f} "
+                  f"{median['c'][0]:10.0f} {median['c'][1]:7.2f} {ratio:6.2f}", flush=True)
+            print(f"   ratio in each round: {' '.join(f'{r:.2f}' for r in ratios)}; load {load()}",
+                  flush=True)
+            summary[f"sql_edition_{name}"] = round(ratio, 3)
+    finally:
+        c_cluster.stop()
+        sql_cluster.stop()
+
+
 def mb(size):
     """A (heap, indexes) size as the cycle lines print it."""
     return f"{sum(size) / 2**20:.0f} MB (heap {size[0] / 2**20:.0f} + indexes {size[1] / 2**20:.0f})"
@@ -735,7 +1006,8 @@ def main():
     try:
         version = cluster.psql("SHOW server_version")
         print(f"== idempotency benchmark: PostgreSQL {version}, {machine()}; load {load()}")
-        print(f"   pgbench -M prepared, {CLIENTS} clients, {SECONDS} s, {ROUNDS} rounds alternating;"
+        print(f"   pgbench -M prepared, {CLIENTS} clients (mark_batch_vs_single: 1), {SECONDS} s,"
+              f" {ROUNDS} rounds alternating;"
               " tps: median of rounds; ratio: median of the rounds' ratios")
         cluster.psql_file(os.path.join(HERE, "setup.sql"))
         cluster.psql_file(os.path.join(HERE, "peers", "plpgsql.sql"))
@@ -750,7 +1022,7 @@ def main():
         header = f"{'workload':28} {'ours tps':>10} {'lat ms':>7} {'ref tps':>10} {'lat ms':>7} {'ratio':>6} {'bar':>5}"
         print(header)
         print("-" * len(header))
-        for name, ours, ref, bar in PAIRS:
+        for name, ours, ref, bar, *options in PAIRS:
             if ours == "claim_complete.sql":
                 # each claim pair starts from the same 100,000 stored
                 # responses on both sides, rather than ours from what the
@@ -765,11 +1037,12 @@ def main():
             if ours == "mark_processed_batch.sql":
                 # millions of rows a pair: each starts from empty tables
                 cluster.psql("TRUNCATE idempotency.processed_events, bench_events")
-            median, ratio = compare(cluster, ours, ref)
+            median, ratio = compare(cluster, ours, ref, **(options[0] if options else {}))
             summary[name] = round(ratio, 3)
+            verdict = "-" if bar is None else "ok" if ratio >= bar else "MISS"
             print(f"{name:28} {median['ours'][0]:10.0f} {median['ours'][1]:7.2f} "
                   f"{median['ref'][0]:10.0f} {median['ref'][1]:7.2f} {ratio:6.2f} "
-                  f"{'ok' if ratio >= bar else 'MISS':>5}", flush=True)
+                  f"{verdict:>5}", flush=True)
             print(f"   ratio in each round: {median['rounds']}; CPU time stolen by the host,"
                   f" % (ours/ref): {median['steal']}; load {load()}", flush=True)
 
@@ -784,14 +1057,12 @@ def main():
             print(f"{label:36} ours {median['ours'][0]:8.0f} tps  floor {median['ref'][0]:8.0f} tps"
                   f"  ratio {ratio:.2f}", flush=True)
 
-        # the batch against its 500 single calls as one consumer sees it:
-        # with 8 clients on a few cores the single calls' round trips cost
-        # only their CPU, the others' work filling their waits
+        # the batch against its 500 single calls between one consumer (the
+        # pair's bar) and 8 clients (the pair without a bar)
         if "shapes" in PARTS:
             print("\n== idem_mark_processed_batch of 500 vs 500 single calls, other shapes"
                   " (one round, 10 s, no bar)")
-        for label, clients in [] if "shapes" not in PARTS else [("1 client (one consumer)", 1),
-                                                                 ("2 clients", 2)]:
+        for label, clients in [] if "shapes" not in PARTS else [("2 clients", 2)]:
             cluster.psql("TRUNCATE idempotency.processed_events")
             median, ratio = compare(cluster, "mark_processed_batch.sql", "mark_processed_500.sql",
                                     seconds=10, rounds=1, clients=clients)
@@ -799,8 +1070,14 @@ def main():
                   f"  ratio {ratio:.2f}", flush=True)
 
         pair_tables_autovacuum(cluster, True)
+        if EDITION == "sql":
+            bench_edition(summary)
         if "outbox" in PARTS:
             bench_outbox(cluster, summary)
+        if "endtoend" in PARTS:
+            bench_end_to_end(cluster, summary)
+        if "cold" in PARTS:
+            bench_cold_relay(cluster, summary)
         if "publish" in PARTS:
             print(f"\n== publishing: function route, 8 clients enqueue for {PUBLISH_SECONDS} s")
             published = bench_publish(cluster)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 #
 # make bench: install what is missing, build and install the extension, and
-# run bench/run.py (a throwaway cluster; about 12 minutes).  Not part of
+# run bench/run.py (a throwaway cluster; about 15 minutes).  Not part of
 # make test: timing is never a test.
 #
 # run.py starts psql and pgbench as the runner (the "postgres" OS user when
@@ -21,6 +21,11 @@ copy=$(runner_tmpdir bench)
 trap 'rm -rf "$copy"' EXIT
 trap 'exit 1' INT TERM HUP
 cp -R bench "$copy/"
+# EDITION=sql: the SQL edition's script, for bench/run.py's edition lines
+if [ "${EDITION:-c}" = sql ]; then
+	python3 scripts/build-sql-edition.py --out "$copy/dist" >/dev/null || exit 1
+	export BENCH_SQL_EDITION=$(ls "$copy"/dist/idempotency-sql--*.sql)
+fi
 [ "$(id -u)" -eq 0 ] && chown -R "$RUN_AS" "$copy"
 cd "$copy"
 # Debian's python3, for which deps.sh installs psycopg (the wait part

@@ -147,8 +147,8 @@ for (1 .. 50)
 }
 like($heard, qr/Asynchronous notification "idem_test" with payload "\{"id" : \d+, "topic" : "note", "key" : "k1", "payload" : \{"hello": "world"\}/,
 	'the LISTEN session heard the row as JSON');
-like($heard, qr/Asynchronous notification "idem_test" with payload "\{"id" : \d+, "topic" : "note", "key" : "k2", "truncated" : true\}"/,
-	'an oversized row is announced by reference');
+like($heard, qr/Asynchronous notification "idem_test" with payload "\{"id" : (\d+), "topic" : "note", "key" : "k2", "truncated" : true, "read" : "SELECT payload, headers, created_at FROM idempotency.outbox WHERE id = \1"\}"/,
+	'an oversized row is announced by reference, with the query that reads it');
 $listener->quit;
 
 # --- logical decoding: exactly one message per published row

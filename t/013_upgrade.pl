@@ -1,5 +1,5 @@
 # The update from 1.0 to 1.1 (ALTER EXTENSION ... UPDATE TO '1.1'; the
-# update on to 1.2 is t/016_upgrade_1_2.pl's), as an operator runs it: the new library is
+# update on to 1.2 is t/018_upgrade_1_2.pl's), as an operator runs it: the new library is
 # installed and preloaded (so the DDL guard is active), a database still at
 # 1.0 keeps working with it (7-column claim results, no idem_extend_lease),
 # then ALTER EXTENSION idempotency UPDATE brings it to 1.1 without changing
@@ -313,7 +313,7 @@ $node->command_ok([ 'pg_dump', '-Fc', '-f', $dump, '-d', $node->connstr('old') ]
 	'pg_dump of the updated database');
 $node->safe_psql('postgres', 'CREATE DATABASE restored');
 # pg_dump's CREATE EXTENSION IF NOT EXISTS names no version: the restore
-# would create the default one (1.2, t/016_upgrade_1_2.pl), so the dump's
+# would create the default one (1.2, t/018_upgrade_1_2.pl), so the dump's
 # version, 1.1, is created first, and the restore leaves out the schema and
 # the extension
 $node->safe_psql('restored', "CREATE EXTENSION idempotency VERSION '1.1'");

@@ -324,7 +324,9 @@ array_argument(FunctionCallInfo fcinfo, int argno, const char *name, Oid element
 	if (expected >= 0 && *count != expected)
 		ereport(ERROR,
 				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
-				 errmsg("%s has %d elements, not %d", name, *count, expected),
+				 errmsg_plural("%s has %d element, not %d",
+							   "%s has %d elements, not %d",
+							   *count, name, *count, expected),
 				 errdetail("Each array gives one value per row: they must be equally long.")));
 }
 
@@ -725,7 +727,7 @@ find_heads(Datum *params, char *nulls, int32 batch, int per_key, Heads *heads)
 	heads->keys = palloc(sizeof(Datum) * heads->capacity);
 	heads->follows = palloc(sizeof(bool) * heads->capacity);
 
-	portal = SPI_cursor_open(NULL, outbox_plan(STMT_FETCH_SCAN), params, nulls, false);
+	portal = outbox_sql_cursor_open(STMT_FETCH_SCAN, params, nulls);
 	while (heads->count < (uint64) batch)
 	{
 		/* a chunk: as many rows as heads are still wanted, within reason */
@@ -1315,8 +1317,9 @@ idem_outbox_ack_fenced(PG_FUNCTION_ARGS)
 	if (nids != nattempts)
 		ereport(ERROR,
 				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
-				 errmsg("ids has %d elements and attempts %d", nids, nattempts),
-				 errdetail("attempts gives the attempt of each id, as fetched.")));
+				 errmsg("ids and attempts must be equally long"),
+				 errdetail("Their lengths are %d and %d; attempts gives the attempt of each id, as fetched.",
+						   nids, nattempts)));
 	/* array_position counts from the lower bound: both must start at 1 */
 	if (nids > 0 && (ARR_LBOUND(ids)[0] != 1 || ARR_LBOUND(attempts)[0] != 1))
 		ereport(ERROR,
@@ -1514,7 +1517,8 @@ idem_outbox_on_shard(PG_FUNCTION_ARGS)
 	if (attempts != NULL && nattempts != nids)
 		ereport(ERROR,
 				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
-				 errmsg("ids has %d elements and attempts %d", nids, nattempts)));
+				 errmsg("ids and attempts must be equally long"),
+				 errdetail("Their lengths are %d and %d.", nids, nattempts)));
 
 	idem_require_writable("idem_outbox_ack()");
 	shard = idem_table_shard_for(IDEM_TABLE_OUTBOX, topic, RowExclusiveLock,

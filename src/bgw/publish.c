@@ -2,8 +2,9 @@
  *
  * publish.c
  *	  Publishing the outbox: each ready row's NOTIFY, logical message or
- *	  route function, committed with the row's "published" mark, so that it
- *	  happens exactly once.
+ *	  route function, committed with the row's "published" mark, so that the
+ *	  worker publishes each row once (what reaches a consumer is the
+ *	  route's to say: a NOTIFY only the listeners connected then).
  *
  * Three layers, bottom up:
  *
@@ -190,7 +191,14 @@ call_route_function(const char *signature, Oid run_as, Datum event)
 				 errhint("Change the function: it must not drop the extension, its schema or the outbox, nor truncate the outbox.")));
 }
 
-static void
+/*
+ * Publish one row to its route.  Returns whether its NOTIFY went out
+ * truncated: a payload of 8000 bytes or more is too long for NOTIFY, and
+ * the row's reference goes instead, which tells the listener to read the
+ * row by its id (the reference's "read"); publish_candidates then keeps the
+ * row for idempotency.notify_truncated_retention.
+ */
+static bool
 publish_one(const Candidate *candidate)
 {
 	/* idem_outbox_route never stores one, but the table's CHECK allows it */
@@ -200,9 +208,13 @@ publish_one(const Candidate *candidate)
 				 errmsg("the %s route of the row's topic has no destination", candidate->target),
 				 errhint("Set the route again with idem_outbox_route.")));
 	if (strcmp(candidate->target, "notify") == 0)
+	{
+		bool		truncated = strlen(candidate->message) > NOTIFY_PAYLOAD_LIMIT;
+
 		Async_Notify(candidate->destination,
-					 strlen(candidate->message) <= NOTIFY_PAYLOAD_LIMIT ?
-					 candidate->message : candidate->reference);
+					 truncated ? candidate->reference : candidate->message);
+		return truncated;
+	}
 	else if (strcmp(candidate->target, "logical") == 0)
 		(void) compat_log_logical_message(candidate->destination, candidate->message,
 										  strlen(candidate->message), true);
@@ -210,6 +222,7 @@ publish_one(const Candidate *candidate)
 		call_route_function(candidate->destination, candidate->run_as, candidate->event);
 	else
 		elog(ERROR, "unknown outbox route target \"%s\"", candidate->target);
+	return false;
 }
 
 /*
@@ -260,20 +273,22 @@ catch_row_error(MemoryContext context, ResourceOwner owner)
 /*
  * Try to publish one row inside a subtransaction, so that a failure (an
  * ERROR in the user's function, most likely) undoes only this row's attempt.
- * Returns NULL on success, or the error message.
+ * Returns NULL on success, with *truncated set as publish_one says, or the
+ * error message.
  */
 static char *
-try_publish(const Candidate *candidate, MemoryContext keep)
+try_publish(const Candidate *candidate, MemoryContext keep, bool *truncated)
 {
 	MemoryContext caller = CurrentMemoryContext;
 	ResourceOwner owner = CurrentResourceOwner;
 	char	   *volatile error = NULL;
 
+	*truncated = false;
 	BeginInternalSubTransaction(NULL);
 	MemoryContextSwitchTo(caller);
 	PG_TRY();
 	{
-		publish_one(candidate);
+		*truncated = publish_one(candidate);
 		ReleaseCurrentSubTransaction();
 	}
 	PG_CATCH();
@@ -400,6 +415,35 @@ record_failed_attempt(int64 id, const char *error, TimestampTz now)
 }
 
 /*
+ * Mark published the rows of published[] whose truncated[] entry equals
+ * truncated_ones (all of them if truncated[] is NULL).  A row whose NOTIFY
+ * went out truncated is kept, marked for the purge (see
+ * STMT_MARK_PUBLISHED_TRUNCATED); the others are deleted, or kept for
+ * outbox_retention.
+ */
+static void
+mark_published(const int64 *published, const bool *truncated, uint64 npublished,
+			   bool truncated_ones, TimestampTz now)
+{
+	Datum	   *ids = palloc(sizeof(Datum) * npublished);
+	int			nids = 0;
+	Datum		values[2];
+
+	for (uint64 i = 0; i < npublished; i++)
+		if (truncated == NULL || truncated[i] == truncated_ones)
+			ids[nids++] = Int64GetDatum(published[i]);
+	values[0] = PointerGetDatum(construct_array(ids, nids, INT8OID,
+												sizeof(int64), FLOAT8PASSBYVAL,
+												TYPALIGN_DOUBLE));
+	values[1] = TimestampTzGetDatum(now);
+	outbox_sql_run(truncated_ones ? STMT_MARK_PUBLISHED_TRUNCATED :
+				   idem_outbox_retention_s == 0 ?
+				   STMT_MARK_PUBLISHED_DELETE : STMT_MARK_PUBLISHED_KEEP,
+				   values, NULL);
+	pfree(ids);
+}
+
+/*
  * Publish the candidates, in the current transaction (see
  * outbox_publish_batch), and mark those published.  *started, if given, is
  * set before the first publication begins.
@@ -411,6 +455,9 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
 	int64	   *published = MemoryContextAllocHuge(list->context,
 												   sizeof(int64) * Max(list->count, 1));
 	uint64		npublished = 0;
+	bool	   *truncated = MemoryContextAllocHuge(list->context,
+												   sizeof(bool) * Max(list->count, 1));
+	uint64		ntruncated = 0;
 
 	for (uint64 i = 0; i < list->count; i++)
 	{
@@ -433,14 +480,15 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
 		if (started != NULL)
 			*started = true;
 		if (careful)
-			error = try_publish(candidate, list->context);
+			error = try_publish(candidate, list->context, &truncated[npublished]);
 		else
 		{
-			publish_one(candidate);
+			truncated[npublished] = publish_one(candidate);
 			error = NULL;
 		}
 		if (error == NULL)
 		{
+			ntruncated += truncated[npublished];
 			published[npublished++] = candidate->id;
 			continue;
 		}
@@ -454,21 +502,17 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
 		(*failed_count)++;
 	}
 
-	if (npublished > 0)
-	{
-		Datum	   *ids = palloc(sizeof(Datum) * npublished);
-		Datum		values[2];
-
-		for (uint64 i = 0; i < npublished; i++)
-			ids[i] = Int64GetDatum(published[i]);
-		values[0] = PointerGetDatum(construct_array(ids, (int) npublished, INT8OID,
-													sizeof(int64), FLOAT8PASSBYVAL,
-													TYPALIGN_DOUBLE));
-		values[1] = TimestampTzGetDatum(now);
-		outbox_sql_run(idem_outbox_retention_s == 0 ?
-					   STMT_MARK_PUBLISHED_DELETE : STMT_MARK_PUBLISHED_KEEP,
-					   values, NULL);
-	}
+	/*
+	 * The rows whose NOTIFY went out truncated are kept, for the listener to
+	 * read (see STMT_MARK_PUBLISHED_TRUNCATED), unless the window is 0; the
+	 * others are deleted, or kept for outbox_retention.
+	 */
+	if (idem_notify_truncated_retention_s == 0)
+		ntruncated = 0;
+	if (ntruncated > 0)
+		mark_published(published, truncated, npublished, true, now);
+	if (npublished > ntruncated)
+		mark_published(published, ntruncated > 0 ? truncated : NULL, npublished, false, now);
 	*published_count = npublished;
 }
 
@@ -476,7 +520,7 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
  * Publish up to limit ready rows, in the current transaction: each row's
  * publication (NOTIFY, logical message, or the function's work) commits
  * together with the row's removal or its "published" mark, so that it
- * happens exactly once even if the server stops in between.  Carefully,
+ * is published once even if the server stops in between.  Carefully,
  * each row in a subtransaction of its own, rows whose route fails are
  * recorded and retried later with backoff, held back with the rest of their
  * key; otherwise a failure raises the ERROR and the caller retries

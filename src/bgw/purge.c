@@ -324,23 +324,36 @@ idem_prune_purged(IdemTable table, IdemPurgedPages *purged)
 
 /*
  * Delete up to limit published rows older than idempotency.outbox_retention
- * (of each of this node's shards of a distributed outbox).  Returns how many
- * were; limit or more means there may be more.
+ * (of each of this node's shards of a distributed outbox), and of those
+ * whose NOTIFY went out truncated, older than
+ * idempotency.notify_truncated_retention too: their listeners read them by
+ * id (see STMT_PURGE_PUBLISHED).  Returns how many were; limit or more
+ * means there may be more.
+ *
+ * With outbox_retention = 0 (the default), publishing and acknowledgements
+ * delete the rows themselves, and the published rows left are the ones kept
+ * for their truncated NOTIFY: so the purge looks only at the rows past that
+ * window, all of which go, rather than read past every row still in it at
+ * each batch.  A row kept while outbox_retention was longer goes then too.
  */
 static uint64
 outbox_purge_published(TimestampTz now, int limit)
 {
 	OutboxSqlContext context;
-	Datum		values[2];
+	Datum		values[3];
 	uint64		deleted = 0;
 	List	   *shards = list_make1_oid(InvalidOid);
 	ListCell   *lc;
+	TimestampTz truncated_before = TimestampTzPlusMilliseconds(now,
+															   -(int64) idem_notify_truncated_retention_s * 1000);
 
 	if (idem_table_distributed(IDEM_TABLE_OUTBOX))
 		shards = idem_table_parts(IDEM_TABLE_OUTBOX);
-	values[0] = TimestampTzGetDatum(TimestampTzPlusMilliseconds(now,
+	values[0] = TimestampTzGetDatum(idem_outbox_retention_s == 0 ? truncated_before :
+									TimestampTzPlusMilliseconds(now,
 																-(int64) idem_outbox_retention_s * 1000));
 	values[1] = Int32GetDatum(limit);
+	values[2] = TimestampTzGetDatum(truncated_before);
 	foreach(lc, shards)
 	{
 		if (!outbox_sql_begin_on(&context, lfirst_oid(lc)))

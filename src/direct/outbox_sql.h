@@ -37,6 +37,7 @@ typedef enum OutboxStatement
 	STMT_ROUTES,
 	STMT_MARK_PUBLISHED_DELETE,
 	STMT_MARK_PUBLISHED_KEEP,
+	STMT_MARK_PUBLISHED_TRUNCATED,
 	STMT_PUBLISH_FAILED,
 	STMT_PURGE_PUBLISHED,
 	NUM_STATEMENTS
@@ -120,6 +121,8 @@ extern void outbox_sql_end(OutboxSqlContext *context);
 extern SPIPlanPtr outbox_plan(OutboxStatement statement);
 extern uint64 outbox_sql_run(OutboxStatement statement, Datum *values,
 							 const char *nulls);
+extern Portal outbox_sql_cursor_open(OutboxStatement statement, Datum *values,
+									 const char *nulls);
 extern uint64 outbox_sql_run_snapshot(OutboxStatement statement, Datum *values,
 									 const char *nulls, Snapshot snapshot);
 

@@ -45,5 +45,6 @@ typedef struct ExpectedTable
 } ExpectedTable;
 
 extern void idem_check_table(Relation heap, const ExpectedTable *def);
+extern Oid	idem_primary_key_index(Relation heap);
 
 #endif							/* IDEMPOTENCY_TABLE_CHECK_H */

@@ -171,6 +171,13 @@ typedef struct OwnRow
 static OwnRow own_row;
 static bool invalidation_registered = false;
 
+/*
+ * The table idem_check_table is looking at, and whether an invalidation of
+ * it (or a cache reset) came while it looked: see check_table.
+ */
+static Oid	relid_in_check = InvalidOid;
+static bool check_overtaken = false;
+
 static void
 forget_cached_table(Datum arg, Oid relid)
 {
@@ -186,6 +193,28 @@ forget_cached_table(Datum arg, Oid relid)
 	for (int i = 0; i < MAX_CHECKED_SHARDS; i++)
 		if (relid == InvalidOid || relid == checked_shards[i])
 			checked_shards[i] = InvalidOid;
+	if (relid == InvalidOid || relid == relid_in_check)
+		check_overtaken = true;
+}
+
+/*
+ * Check the table (table_check.c), and say whether its answer may be kept
+ * until the next invalidation of the table: not when one came while the
+ * check ran.  The check's catalog reads take in the invalidations queued
+ * meanwhile; one of them may be a change committed under a lock weaker
+ * than the DDL guards against (a trigger created while we hold
+ * AccessShareLock), taken in after the check looked at that part.  Were
+ * the OID kept, its invalidation would be spent and the next writer would
+ * never look again; unkept, the next open checks the table as it is.
+ */
+static bool
+check_table(Relation heap, const ExpectedTable *def)
+{
+	relid_in_check = RelationGetRelid(heap);
+	check_overtaken = false;
+	idem_check_table(heap, def);
+	relid_in_check = InvalidOid;
+	return !check_overtaken;
 }
 
 /*
@@ -276,7 +305,10 @@ open_table(IdemTable table, LOCKMODE lockmode, char *partmethod)
 	 */
 	*partmethod = idem_citus_partmethod(relid);
 	if (*partmethod != IDEM_CITUS_HASH)
-		idem_check_table(heap, def);
+	{
+		if (!check_table(heap, def))
+			return heap;
+	}
 	else
 		check_distribution_column(heap, table);
 	cached_partmethod[table] = *partmethod;
@@ -304,8 +336,7 @@ open_shard(IdemTable table, Relation shell, text *value, LOCKMODE lockmode,
 		if (free_slot < 0 && !OidIsValid(checked_shards[i]))
 			free_slot = i;
 	}
-	idem_check_table(shard, &table_defs[table]);
-	if (free_slot >= 0)
+	if (check_table(shard, &table_defs[table]) && free_slot >= 0)
 		checked_shards[free_slot] = relid;
 	return shard;
 }
@@ -394,7 +425,7 @@ idem_table_part_open(IdemTable table, Oid relid, LOCKMODE lockmode)
 	for (int i = 0; i < MAX_CHECKED_SHARDS; i++)
 		if (checked_shards[i] == relid)
 			return heap;
-	idem_check_table(heap, &table_defs[table]);
+	check_table(heap, &table_defs[table]);
 	return heap;
 }
 
@@ -463,8 +494,11 @@ idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode,
 		rel->heap = open_shard(table, shell, value, lockmode, function_name);
 		table_close(shell, NoLock);
 	}
-	/* idem_check_table made sure there is one, and the one expected */
-	rel->pkey = index_open(rel->heap->rd_pkindex, lockmode);
+	/*
+	 * idem_check_table made sure there is one, and the one expected; not
+	 * rd_pkindex itself, unset in an entry rebuilt since (table_check.c)
+	 */
+	rel->pkey = index_open(idem_primary_key_index(rel->heap), lockmode);
 }
 
 /*

@@ -21,6 +21,7 @@
 
 #include "miscadmin.h"
 #include "utils/guc.h"
+#include "utils/memutils.h"
 
 #include "compat.h"
 #include "infra/guc.h"
@@ -35,6 +36,7 @@ int			idem_outbox_backoff_min_ms = 1000;
 int			idem_outbox_backoff_max_ms = 5 * 60 * 1000;
 int			idem_outbox_max_attempts = 10;
 int			idem_outbox_retention_s = 0;
+int			idem_notify_truncated_retention_s = 60 * 60;
 int			idem_naptime_ms = 1000;
 int			idem_purge_interval_ms = 10000;
 int			idem_purge_batch_size = 5000;
@@ -43,6 +45,8 @@ int			idem_publish_batch_size = 100;
 char	   *idem_databases = NULL;
 int			idem_max_databases = 32;
 int			idem_wait_slots = -1;
+int			idem_max_response_bytes = 1024 * 1024;
+int			idem_max_wait_ms = 60 * 1000;
 
 static char *release_statuses_string = NULL;
 
@@ -212,6 +216,46 @@ idem_define_gucs(void)
 							GUC_UNIT_MS,
 							NULL, NULL, NULL);
 
+	/*
+	 * A stored body stays in the keys table until its key expires (a day by
+	 * default) and is sent again on every replay: one client storing
+	 * downloads would bloat the table and every replay's memory.  1MB is
+	 * far above a JSON API's answer; the largest a text can be (1GB) lifts
+	 * the cap.  PGC_SUSET: the cap protects the server from the application,
+	 * so the application's role cannot raise it by itself (ALTER ROLE ... SET
+	 * by a superuser, or GRANT SET ON PARAMETER, can).
+	 */
+	DefineCustomIntVariable("idempotency.max_response_bytes",
+							"Largest response body that idem_complete stores.",
+							"Counted in bytes of the body as text.  A larger body "
+							"to store is refused with SQLSTATE 54000, and nothing "
+							"is written; a body that idem_complete releases "
+							"(idempotency.release_statuses) is not stored and not "
+							"counted.  Range: 1 byte to 1GB.",
+							&idem_max_response_bytes,
+							1024 * 1024, 1, MaxAllocSize,
+							PGC_SUSET,
+							GUC_UNIT_BYTE,
+							NULL, NULL, NULL);
+
+	/*
+	 * A claim that waits keeps its connection busy, and in the one-transaction
+	 * mode its transaction open: a pool of a few connections is exhausted by
+	 * a few waiters.  A minute, the default lease, is the most a wait needs
+	 * by default: a wait ends when the holder's lease runs out anyway, and
+	 * HTTP clients and proxies give up on a request after about as long.
+	 * PGC_SUSET for the same reason as max_response_bytes.
+	 */
+	DefineCustomIntVariable("idempotency.max_wait",
+							"Longest wait that idem_claim accepts.",
+							"A larger wait argument is refused with SQLSTATE 22023.  "
+							"Range: 0 (no waiting at all) to 2147483647 ms (24 days).",
+							&idem_max_wait_ms,
+							60 * 1000, 0, INT_MAX,
+							PGC_SUSET,
+							GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
 	DefineCustomStringVariable("idempotency.release_statuses",
 							   "HTTP status codes that idem_complete releases instead of storing.",
 							   "A comma-separated list of codes and inclusive ranges "
@@ -273,6 +317,23 @@ idem_define_gucs(void)
 							"0 deletes a row as soon as it is published or acknowledged.",
 							&idem_outbox_retention_s,
 							0, 0, INT_MAX,
+							PGC_SUSET,
+							GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.notify_truncated_retention",
+							"How long an outbox row whose NOTIFY payload was "
+							"truncated is kept after it is published.",
+							"A row routed to notify whose JSON is 8000 bytes or "
+							"more goes out as a reference, {\"id\": ..., "
+							"\"truncated\": true, \"read\": ...}, and the listener "
+							"reads the row itself, by id.  Such a row is kept at "
+							"least this long after it is published, whatever "
+							"idempotency.outbox_retention says (the longer of the "
+							"two applies).  0 keeps it only as long as "
+							"idempotency.outbox_retention keeps the other rows.",
+							&idem_notify_truncated_retention_s,
+							60 * 60, 0, INT_MAX,
 							PGC_SUSET,
 							GUC_UNIT_S,
 							NULL, NULL, NULL);

@@ -29,6 +29,12 @@ extern int	idem_outbox_max_attempts;
 /* idempotency.outbox_retention, in seconds (0: delete when published) */
 extern int	idem_outbox_retention_s;
 
+/*
+ * idempotency.notify_truncated_retention, in seconds: how long a row whose
+ * NOTIFY went out truncated is kept after it is published, at least
+ */
+extern int	idem_notify_truncated_retention_s;
+
 /* The background worker's settings. */
 extern int	idem_naptime_ms;
 extern int	idem_purge_interval_ms;
@@ -40,6 +46,12 @@ extern int	idem_max_databases;
 
 /* idempotency.wait_slots: -1 for twice MaxBackends */
 extern int	idem_wait_slots;
+
+/* idempotency.max_response_bytes: the largest body idem_complete stores */
+extern int	idem_max_response_bytes;
+
+/* idempotency.max_wait, in milliseconds: the largest wait idem_claim takes */
+extern int	idem_max_wait_ms;
 
 extern void idem_define_gucs(void);
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+#
+# The tests of pg-idempotency, run by make test (scripts/test-examples.sh,
+# EXAMPLES=node) from this folder, directly and through pgbouncer in
+# transaction pooling mode (which is what shows that the package leans on no
+# session state and no named prepared statement), with PGHOST PGPORT PGUSER
+# PGDATABASE pointing at a fresh database that has the extension, and
+# EXAMPLE_TMP a scratch folder. By hand: PG*=... ./test.sh
+#
+# node --test runs test/*.test.js against real Express and Fastify servers
+# on free ports; tsc --noEmit checks index.d.ts against test/types.ts.
+#
+set -euo pipefail
+cd "$(dirname "$0")"
+
+for tool in node npm; do
+	command -v "$tool" >/dev/null || {
+		echo "$tool is missing: apt-get install nodejs npm (make test does it as root)" >&2
+		exit 1
+	}
+done
+
+# The dev dependencies pinned by package-lock.json (Express, Fastify, pg,
+# TypeScript), into ./node_modules; the npm cache goes to the scratch folder.
+export npm_config_cache=${npm_config_cache:-${EXAMPLE_TMP:-${TMPDIR:-/tmp}}/npm-cache}
+export npm_config_update_notifier=false
+npm ci --no-audit --no-fund --loglevel=error
+
+node --test test/*.test.js
+node_modules/.bin/tsc -p test

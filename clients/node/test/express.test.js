@@ -1,0 +1,250 @@
+'use strict';
+// The Express middleware against a real server and PostgreSQL: what
+// doc/http.md says about transactions, scopes, stored bodies and the
+// two-transaction mode.
+
+const { test, before, after } = require('node:test');
+const assert = require('node:assert/strict');
+const { randomUUID } = require('node:crypto');
+const express = require('express');
+const idempotency = require('..');
+const { pool, listen, request, gate, waitFor } = require('./support');
+
+const KEYS = 'SELECT scope, attempt, recovery_point, lease_expires_at, status_code, headers FROM idempotency.keys WHERE key = $1';
+
+async function count(label) {
+  const { rows: [{ n }] } = await pool.query('SELECT count(*)::int AS n FROM node_items WHERE label = $1', [label]);
+  return n;
+}
+
+before(async () => {
+  await pool.query('CREATE TABLE IF NOT EXISTS node_items (id serial PRIMARY KEY, label text NOT NULL)');
+});
+
+after(() => pool.end());
+
+// POST /items: inserts { label } on req.idempotency.db; ?fail=throw throws
+// after the insert, ?fail=503 answers 503 after it
+function itemsApp(options = {}) {
+  const app = express();
+  app.set('env', 'test'); // Express's error handler: no stack traces on stderr
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use((req, res, next) => {
+    req.user = req.get('x-user');
+    next();
+  });
+  app.use(idempotency.express({ pool, ...options }));
+  app.post('/items', async (req, res) => {
+    const { rows: [row] } = await req.idempotency.db.query(
+      'INSERT INTO node_items (label) VALUES ($1) RETURNING id', [req.body.label]);
+    if (req.query.fail === 'throw') throw new Error('the handler failed');
+    if (req.query.fail === '503') return res.status(503).json({ error: 'unavailable' });
+    return res.status(201).location(`/items/${row.id}`).json({ id: row.id });
+  });
+  return app;
+}
+
+test('one transaction: a thrown error or a 5xx rolls the writes back and frees the key', async () => {
+  const server = await listen(itemsApp());
+  try {
+    const label = randomUUID();
+    const key = randomUUID();
+    const thrown = await request(server, { path: '/items?fail=throw', key, body: { label } });
+    assert.equal(thrown.status, 500);
+    assert.equal(await count(label), 0);
+    assert.deepEqual((await pool.query(KEYS, [key])).rows, []);
+
+    const unavailable = await request(server, { path: '/items?fail=503', key: randomUUID(), body: { label } });
+    assert.equal(unavailable.status, 503);
+    assert.equal(await count(label), 0);
+
+    const created = await request(server, { path: '/items', key: randomUUID(), body: { label } });
+    assert.equal(created.status, 201);
+    assert.equal(await count(label), 1);
+  } finally {
+    await server.close();
+  }
+});
+
+test('the stored headers are the allow-list, in lower case', async () => {
+  const server = await listen(itemsApp({ storeHeaders: ['Location', 'Content-Type'] }));
+  try {
+    const key = randomUUID();
+    const created = await request(server, { path: '/items', key, body: { label: randomUUID() } });
+    const { rows: [row] } = await pool.query(KEYS, [key]);
+    assert.deepEqual(Object.keys(row.headers).sort(), ['content-type', 'location']);
+    assert.equal(row.headers.location, created.headers.location);
+  } finally {
+    await server.close();
+  }
+});
+
+test('a response written in pieces and a binary body are stored and replayed byte for byte', async () => {
+  const bytes = Buffer.from(Array.from({ length: 256 }, (_, i) => i));
+  const app = express(); // no body parser: the middleware reads the body itself
+  app.use(idempotency.express({ pool }));
+  app.post('/echo', (req, res) => {
+    res.writeHead(200, { 'content-type': 'application/octet-stream', 'x-not-stored': 'yes' });
+    res.write(req.rawBody.subarray(0, 100));
+    res.write(req.rawBody.subarray(100));
+    res.end(bytes);
+  });
+  const server = await listen(app);
+  try {
+    const key = randomUUID();
+    const body = Buffer.from([0, 1, 2, 255, 254]);
+    const first = await request(server, { path: '/echo', key, body, headers: { 'content-type': 'application/octet-stream' } });
+    assert.equal(first.status, 200);
+    assert.equal(first.headers['x-not-stored'], 'yes');
+    assert.ok(first.body.equals(Buffer.concat([body, bytes])));
+    const { rows: [row] } = await pool.query(KEYS, [key]);
+    assert.equal(row.headers[':idem-body-encoding'], 'base64');
+
+    const replay = await request(server, { path: '/echo', key, body, headers: { 'content-type': 'application/octet-stream' } });
+    assert.equal(replay.status, 200);
+    assert.equal(replay.headers['idempotent-replayed'], 'true');
+    assert.equal(replay.headers['content-type'], 'application/octet-stream');
+    assert.equal(replay.headers['x-not-stored'], undefined);
+    assert.equal(replay.headers[':idem-body-encoding'], undefined);
+    assert.ok(replay.body.equals(first.body));
+    // another binary request body is another request
+    const other = await request(server, { path: '/echo', key, body: Buffer.from([0, 1, 2, 255, 253]) });
+    assert.equal(other.status, 422);
+  } finally {
+    await server.close();
+  }
+});
+
+test('scopes: each principal has its own keys; a scope option replaces the default', async () => {
+  const server = await listen(itemsApp());
+  const byTenant = await listen(itemsApp({ scope: (req) => `tenant-${req.get('x-tenant')}`.padEnd(300, '.') }));
+  try {
+    const label = randomUUID();
+    const key = randomUUID();
+    const alice = await request(server, { path: '/items', key, body: { label }, headers: { 'x-user': 'alice' } });
+    const bob = await request(server, { path: '/items', key, body: { label }, headers: { 'x-user': 'bob' } });
+    const anonymous = await request(server, { path: '/items', key, body: { label } });
+    assert.deepEqual([alice.status, bob.status, anonymous.status], [201, 201, 201]);
+    assert.equal(await count(label), 3);
+    const scopes = (await pool.query(KEYS, [key])).rows.map((row) => row.scope).sort();
+    assert.deepEqual(scopes, ['alice:POST /items', 'anonymous:POST /items', 'bob:POST /items']);
+    assert.ok((await request(server, { path: '/items', key, body: { label }, headers: { 'x-user': 'bob' } })).body.equals(bob.body));
+
+    const tenantKey = randomUUID();
+    for (const tenant of ['a', 'b', 'a']) {
+      await request(byTenant, { path: '/items', key: tenantKey, body: { label }, headers: { 'x-tenant': tenant } });
+    }
+    assert.equal(await count(label), 5);
+    // a scope over 255 bytes is kept as its hash
+    const tenantScopes = (await pool.query(KEYS, [tenantKey])).rows.map((row) => row.scope);
+    assert.equal(tenantScopes.length, 2);
+    for (const scope of tenantScopes) assert.match(scope, /^sha256:[0-9a-f]{64}$/);
+  } finally {
+    await server.close();
+    await byTenant.close();
+  }
+});
+
+test('a route that requires a key, behind an app-wide middleware; other methods pass through', async () => {
+  const app = express();
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool, methods: ['POST', 'PUT'] }));
+  const handler = (req, res) => res.json({ transaction: Boolean(req.idempotency) });
+  app.post('/optional', handler);
+  app.put('/optional', handler);
+  app.patch('/optional', handler);
+  app.post('/required', idempotency.express({ pool, required: true }), handler);
+  const server = await listen(app);
+  try {
+    assert.equal((await request(server, { path: '/optional', body: {} })).body.toString(), '{"transaction":false}');
+    assert.equal((await request(server, { path: '/optional', key: randomUUID(), body: {} })).body.toString(), '{"transaction":true}');
+    assert.equal((await request(server, { method: 'PUT', path: '/optional', key: randomUUID(), body: {} })).body.toString(), '{"transaction":true}');
+    assert.equal((await request(server, { method: 'PATCH', path: '/optional', key: randomUUID(), body: {} })).body.toString(), '{"transaction":false}');
+    const missing = await request(server, { path: '/required', body: {} });
+    assert.equal(missing.status, 400);
+    assert.equal(missing.headers['content-type'], 'application/problem+json');
+    // claimed once, by the app-wide middleware: the route's lets it through
+    const key = randomUUID();
+    assert.equal((await request(server, { path: '/required', key, body: {} })).status, 200);
+    assert.equal((await pool.query(KEYS, [key])).rows.length, 1);
+  } finally {
+    await server.close();
+  }
+});
+
+test('two transactions: the heartbeat keeps the lease, a duplicate gets 409, the answer is stored', async () => {
+  const held = gate();
+  const entered = gate();
+  const app = express();
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool, mode: 'two-transaction', lease: 1500, wait: 0 }));
+  app.post('/exports', async (req, res) => {
+    await req.idempotency.checkpoint('started');
+    entered.open();
+    await held.promise;
+    res.status(201).json({ attempt: req.idempotency.attempt });
+  });
+  const server = await listen(app);
+  try {
+    const key = randomUUID();
+    const first = request(server, { path: '/exports', key, body: {} });
+    await entered.promise;
+    const [{ lease_expires_at: claimed }] = (await pool.query(KEYS, [key])).rows;
+    // the heartbeat extends the lease; once the first lease would have run
+    // out, a duplicate still finds the key in progress (not a takeover)
+    await waitFor(KEYS, [key], ([row]) => row.lease_expires_at > claimed);
+    await waitFor('SELECT clock_timestamp() > $1 AS past', [claimed], ([row]) => row.past);
+    const duplicate = await request(server, { path: '/exports', key, body: {} });
+    assert.equal(duplicate.status, 409);
+    assert.match(duplicate.headers['retry-after'], /^[1-9][0-9]*$/);
+    const [row] = (await pool.query(KEYS, [key])).rows;
+    assert.equal(row.attempt, 1);
+    assert.equal(row.recovery_point, 'started');
+
+    held.open();
+    assert.equal((await first).status, 201);
+    const replay = await request(server, { path: '/exports', key, body: {} });
+    assert.equal(replay.headers['idempotent-replayed'], 'true');
+    assert.equal(replay.body.toString(), '{"attempt":1}');
+  } finally {
+    held.open();
+    await server.close();
+  }
+});
+
+test('two transactions: a retry takes over with the recovery point; the stale attempt answers 409', async () => {
+  const held = gate();
+  const entered = gate();
+  const app = express();
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool, mode: 'two-transaction', lease: 60000 }));
+  app.post('/charges', async (req, res) => {
+    if (req.idempotency.attempt === 1) {
+      await req.idempotency.checkpoint('charged ch_1');
+      entered.open();
+      await held.promise;
+    }
+    res.status(201).json({ attempt: req.idempotency.attempt, resumedFrom: req.idempotency.recoveryPoint });
+  });
+  const server = await listen(app);
+  try {
+    const key = randomUUID();
+    const first = request(server, { path: '/charges', key, body: { amount: 1 } });
+    await entered.promise;
+    // the first attempt's process stalls: its lease runs out
+    await pool.query("UPDATE idempotency.keys SET lease_expires_at = now() - interval '1 second' WHERE key = $1", [key]);
+    const retry = await request(server, { path: '/charges', key, body: { amount: 1 } });
+    assert.equal(retry.status, 201);
+    assert.equal(retry.body.toString(), '{"attempt":2,"resumedFrom":"charged ch_1"}');
+
+    held.open();
+    const stale = await first;
+    assert.equal(stale.status, 409);
+    assert.equal(stale.headers['content-type'], 'application/problem+json');
+    const replay = await request(server, { path: '/charges', key, body: { amount: 1 } });
+    assert.ok(replay.body.equals(retry.body));
+  } finally {
+    held.open();
+    await server.close();
+  }
+});

@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+#
+# make check-sql-edition: the SQL edition (dist/idempotency-sql--<version>.sql,
+# built here by scripts/build-sql-edition.py) against a server that has never
+# seen the C edition, and against the C edition's own tests:
+#
+#   1. a private copy of the server's tree without any idempotency file
+#      (library, control file, scripts), checked to hold none; a server
+#      started from it without shared_preload_libraries;
+#   2. the script run with psql -v ON_ERROR_STOP=1 -f by a role that is not
+#      a superuser and holds only CREATE on its database; run again, a clear
+#      error and nothing changed;
+#   3. the catalogs of both editions compared (sql-edition/test/catalog.sql),
+#      the C edition's from a second server that preloads the installed
+#      library: tables, views, types, columns, constraints, indexes,
+#      comments, grants and function signatures must be identical;
+#   4. pg_regress with the C edition's sql/keys_*.sql and sql/events*.sql,
+#      and pg_isolation_regress with its specs/claim_*.spec and
+#      specs/events_*.spec, against the C edition's expected output as
+#      sql-edition/differences.patch changes it: every difference between
+#      the editions is a hunk of that one file, with the reason above it,
+#      and a patch that no longer applies fails the suite.
+#
+# PG_CONFIG picks the server; the C edition must be installed in it for
+# step 3 (make test installs it first).  KEEP_WORKDIR=1 keeps the scratch
+# directory.
+#
+set -uo pipefail
+cd "$(dirname "$0")/.."
+src=$PWD
+
+PG_CONFIG=${PG_CONFIG:-pg_config}
+bindir=$("$PG_CONFIG" --bindir) || exit 1
+pkglibdir=$("$PG_CONFIG" --pkglibdir)
+sharedir=$("$PG_CONFIG" --sharedir)
+pgxs_dir=$(dirname "$("$PG_CONFIG" --pgxs)")
+pg_regress=$pgxs_dir/../test/regress/pg_regress
+pg_isolation_regress=$pgxs_dir/../test/isolation/pg_isolation_regress
+user=$(id -un)
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-sql-edition.XXXXXX")
+chmod 755 "$work"
+servers=()
+cleanup() {
+	for data in "${servers[@]}"; do
+		"$bindir/pg_ctl" -D "$data" -m immediate stop >/dev/null 2>&1
+	done
+	if [ -n "${KEEP_WORKDIR:-}" ]; then echo "(kept $work)"; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+fail() { echo "sql-edition: $*" >&2; exit 1; }
+
+free_port() {
+	local port=$((20000 + RANDOM % 20000))
+	while (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null || [ -e "$work/.s.PGSQL.$port" ] ||
+		[ "$port" = "${1:-}" ]; do
+		port=$((port + 1))
+	done
+	echo "$port"
+}
+
+# start_server NAME BINDIR PORT [extra postgresql.conf lines]
+start_server() {
+	local data=$work/$1 bin=$2 port=$3
+	"$bin/initdb" -D "$data" -A trust -U "$user" --no-sync >/dev/null || fail "initdb $1"
+	{
+		echo "port = $port"
+		echo "listen_addresses = ''"
+		echo "unix_socket_directories = '$work'"
+		echo "max_connections = 60"
+		echo "fsync = off"
+		[ -n "${4:-}" ] && echo "$4"
+	} >>"$data/postgresql.conf"
+	"$bin/pg_ctl" -D "$data" -l "$work/$1.log" -w start >/dev/null || { cat "$work/$1.log"; fail "cannot start $1"; }
+	servers+=("$data")
+}
+
+echo "-- make dist"
+python3 scripts/build-sql-edition.py --out "$work/dist" >/dev/null || exit 1
+script=$(ls "$work"/dist/idempotency-sql--*.sql)
+
+# -- 1. a server tree without the C edition
+tree=$work/tree
+mkdir -p "$tree$bindir" "$tree$pkglibdir" "$tree$sharedir"
+cp -a "$bindir/." "$tree$bindir/"
+[ "$pkglibdir" = "$bindir" ] || cp -a "$pkglibdir/." "$tree$pkglibdir/"
+cp -a "$sharedir/." "$tree$sharedir/"
+find "$tree" -name 'idempotency*' -exec rm -rf {} +
+left=$(find "$tree" -name '*idempotency*')
+[ -z "$left" ] || fail "the private tree still holds $left"
+[ "$("$tree$bindir/pg_config" --pkglibdir)" = "$tree$pkglibdir" ] ||
+	fail "the private tree's server does not look in its own lib dir"
+
+sql_port=$(free_port)
+start_server sql-server "$tree$bindir" "$sql_port"
+psql_sql() { "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -h "$work" -p "$sql_port" "$@"; }
+[ "$(psql_sql -U "$user" -d postgres -Atc "SELECT current_setting('shared_preload_libraries') || '|' ||
+	(SELECT count(*) FROM pg_available_extensions WHERE name = 'idempotency')")" = "|0" ] ||
+	fail "the SQL edition's server preloads something or offers the C edition"
+echo "server without the C edition: $tree (no idempotency file; shared_preload_libraries empty)"
+
+# -- 2. installed by a role that only holds CREATE on its database
+psql_sql -U "$user" -d postgres -c "CREATE ROLE idem_owner LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE" \
+	-c "CREATE DATABASE sql_edition" || exit 1
+psql_sql -U "$user" -d sql_edition -c "REVOKE CREATE ON SCHEMA public FROM PUBLIC" \
+	-c "GRANT CREATE ON DATABASE sql_edition TO idem_owner" || exit 1
+psql_sql -U idem_owner -d sql_edition -f "$script" >"$work/install.out" 2>&1 ||
+	{ cat "$work/install.out"; fail "the script failed as a role with only CREATE on the database"; }
+[ ! -s "$work/install.out" ] || { cat "$work/install.out"; fail "the script printed something (above) where it should print nothing"; }
+psql_sql -U "$user" -d sql_edition -f sql-edition/test/catalog.sql >"$work/catalog-sql.txt" || exit 1
+if psql_sql -U idem_owner -d sql_edition -f "$script" >"$work/install-again.out" 2>&1; then
+	fail "the script ran twice"
+fi
+grep -q 'ERROR:  schema "idempotency" already exists' "$work/install-again.out" ||
+	{ cat "$work/install-again.out"; fail "running the script twice did not say why it stopped"; }
+psql_sql -U "$user" -d sql_edition -f sql-edition/test/catalog.sql | cmp -s - "$work/catalog-sql.txt" ||
+	fail "running the script twice changed the catalog"
+echo "installed by a role with only CREATE on the database; a second run refused, nothing changed"
+
+# -- 3. the catalogs of both editions
+status=0
+if [ -e "$pkglibdir/idempotency.so" ]; then
+	c_port=$(free_port "$sql_port")
+	start_server c-server "$bindir" "$c_port" "shared_preload_libraries = 'idempotency'"
+	"$bindir/psql" -X -q -v ON_ERROR_STOP=1 -h "$work" -p "$c_port" -U "$user" -d postgres \
+		-c "CREATE EXTENSION idempotency" -f sql-edition/test/catalog.sql >"$work/catalog-c.txt" || exit 1
+	grep 'public-execute true' "$work/catalog-sql.txt" && fail "a helper of the SQL edition is executable by PUBLIC"
+	# the SQL edition's own helpers (those the C edition does not have) apart
+	grep -v -x -F -f <(grep '^helper ' "$work/catalog-c.txt") "$work/catalog-sql.txt" |
+		grep '^helper ' >"$work/helpers.txt"
+	if diff -u "$work/catalog-c.txt" <(grep -v -x -F -f "$work/helpers.txt" "$work/catalog-sql.txt") \
+		>"$work/catalog.diff"; then
+		echo "catalogs: identical ($(wc -l <"$work/catalog-c.txt") facts; $(wc -l <"$work/helpers.txt") helpers of the SQL edition's own, none for PUBLIC)"
+	else
+		cat "$work/catalog.diff"
+		echo "catalogs: the editions differ (above: - C edition, + SQL edition)"
+		status=1
+	fi
+else
+	echo "catalogs: not compared (the C edition is not installed in $pkglibdir)"
+	status=1
+fi
+
+# -- 4. the C edition's tests, with the differences of sql-edition/differences.patch
+t=$work/t
+mkdir -p "$t/sql" "$t/expected" "$t/specs"
+regress=(keys_claim keys_claim_scan keys_complete keys_lease keys_extend_lease keys_wait keys_fingerprint
+	keys_input keys_release_policy keys_security events events_batch)
+isolation=(claim_concurrent claim_rollback claim_lease claim_isolation_levels claim_result_times
+	claim_wait claim_wait_lease events_concurrent events_batch_concurrent)
+for f in "${regress[@]}"; do cp "sql/$f.sql" "expected/$f.out" "$t/sql/" 2>/dev/null; mv "$t/sql/$f.out" "$t/expected/"; done
+for f in "${isolation[@]}"; do cp "specs/$f.spec" "$t/specs/"; cp "expected/$f.out" "$t/expected/"; done
+# The SQL edition's errors come from PL/pgSQL, which adds a CONTEXT line
+# naming the function: messages, details, hints and SQLSTATEs are compared,
+# not the context (a line added to each file and to its expected output).
+for f in "${regress[@]}"; do
+	for file in "$t/sql/$f.sql" "$t/expected/$f.out"; do
+		{ echo '\set SHOW_CONTEXT never'; cat "$file"; } >"$file.new" && mv "$file.new" "$file"
+	done
+done
+cp sql-edition/test/sql/*.sql "$t/sql/"
+cp sql-edition/test/expected/*.out "$t/expected/"
+(cd "$t" && patch -p1 --quiet --no-backup-if-mismatch <"$src/sql-edition/differences.patch") ||
+	fail "sql-edition/differences.patch does not apply to the C edition's tests any more: bring it up to date"
+# the specs install the edition where the C edition's create the extension
+sed -i -e 's/CREATE EXTENSION idempotency;/SET ROLE idem_owner; SELECT public.install_sql_edition(); RESET ROLE;/' \
+	-e 's/DROP EXTENSION idempotency;/DROP SCHEMA idempotency CASCADE;/' "$t"/specs/*.spec
+sed -i "s|@script@|$script|" "$t/sql/sql_edition_setup.sql"
+
+echo "-- pg_regress: sql_edition_setup ${regress[*]}"
+"$pg_regress" --bindir="$bindir" --inputdir="$t" --outputdir="$t" --host="$work" --port="$sql_port" \
+	--user="$user" --dbname=sql_edition_regress sql_edition_setup "${regress[@]}" || {
+	status=1; cat "$t/regression.diffs"; }
+
+# the isolation database: the script kept in a table, installed by a function
+# that runs it as the role that ran it (the specs' setup: SET ROLE idem_owner)
+psql_sql -U "$user" -d postgres -c "CREATE DATABASE sql_edition_iso" || exit 1
+psql_sql -U "$user" -d sql_edition_iso -v script="$script" <<'SQL' || exit 1
+GRANT CREATE ON DATABASE sql_edition_iso TO idem_owner;
+CREATE TABLE public.sql_edition_script AS
+	SELECT regexp_replace(regexp_replace(pg_read_file(:'script'), '^BEGIN;$', '', 'm'), '^COMMIT;$', '', 'm') AS script;
+CREATE FUNCTION public.install_sql_edition() RETURNS void LANGUAGE plpgsql
+AS $$ BEGIN EXECUTE (SELECT script FROM public.sql_edition_script); END $$;
+GRANT SELECT ON public.sql_edition_script TO idem_owner;
+SQL
+echo "-- pg_isolation_regress: ${isolation[*]}"
+mkdir -p "$t/iso"
+"$pg_isolation_regress" --bindir="$bindir" --inputdir="$t" --outputdir="$t/iso" --host="$work" \
+	--port="$sql_port" --user="$user" --use-existing --dbname=sql_edition_iso "${isolation[@]}" || {
+	status=1; cat "$t/iso/regression.diffs"; }
+
+exit $status
