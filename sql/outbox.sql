@@ -63,11 +63,12 @@ SELECT id = :id AS fetched_again, attempts FROM idem_outbox_fetch('leases', 10, 
 -- idempotency.outbox_backoff_min (1 s by default); the row keeps holding
 -- back its key meanwhile.  A nack of a row that is not leased is false.
 SELECT idem_outbox_enqueue('leases', '{"n": 2}', 'k') AS later_id \gset
+SELECT clock_timestamp() AS before_nack \gset
 SELECT idem_outbox_nack(:id, 'broker unavailable') AS nacked;
 SELECT idem_outbox_nack(:id, 'again') AS nack_when_not_leased;
 SELECT idem_outbox_nack(999, 'unknown') AS nack_unknown;
 SELECT state, attempts, last_error,
-       available_at - now() >= interval '1 second' - (clock_timestamp() - now()) AS waits_at_least_min
+       available_at >= :'before_nack'::timestamptz + interval '1 second' AS waits_at_least_min
 FROM outbox WHERE id = :id;
 SELECT count(*) AS ready_during_backoff FROM idem_outbox_fetch('leases', 10);
 
