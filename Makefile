@@ -44,7 +44,7 @@ OBJS = \
 	src/bgw/purge.o \
 	src/bgw/worker.o \
 	src/bgw/worker_xact.o
-DATA = idempotency--1.0.sql idempotency--1.0--1.1.sql
+DATA = idempotency--1.0.sql idempotency--1.0--1.1.sql idempotency--1.1--1.2.sql
 PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 
 # Warnings are errors.  -Wextra's unused-parameter fires on the server's own
@@ -63,7 +63,7 @@ REGRESS = setup keys_claim keys_claim_scan keys_complete keys_lease keys_extend_
 
 # pg_isolation_regress: specs/*.spec, expected output under expected/
 ISOLATION = claim_concurrent claim_rollback claim_lease claim_isolation_levels claim_result_times claim_wait claim_wait_lease \
-	events_concurrent events_batch_concurrent outbox_order outbox_relays outbox_per_key
+	events_concurrent events_batch_concurrent outbox_order outbox_relays outbox_per_key outbox_fences
 
 # TAP: t/*.pl, each starting its own PostgreSQL::Test::Cluster
 TAP_TESTS = 1

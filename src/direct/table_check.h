@@ -40,6 +40,8 @@ typedef struct ExpectedTable
 	const Oid  *pkey_eq;
 	const char *const *checks;	/* NULL-terminated */
 	AttrNumber	expires_column; /* rows past this instant are purged */
+	int			noptional;		/* the last columns, which a database at an
+								 * earlier version lacks */
 } ExpectedTable;
 
 extern void idem_check_table(Relation heap, const ExpectedTable *def);

@@ -111,6 +111,8 @@ static const ExpectedColumn outbox_columns[Natts_outbox] = {
 	{"available_at", TIMESTAMPTZOID, true, false},
 	{"last_error", TEXTOID, false, false},
 	{"published_at", TIMESTAMPTZOID, false, false},
+	/* from 1.2 on: absent in a database still at 1.1 */
+	{"failures", INT4OID, true, false},
 };
 
 static const char *const outbox_checks[] = {"outbox_state_check", NULL};
@@ -121,12 +123,13 @@ static const Oid topic_and_id_eq[] = {F_TEXTEQ, F_INT8EQ};
 
 static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
 	[IDEM_TABLE_KEYS] = {"keys", Natts_keys, keys_columns,
-	2, first_two_columns, two_text_columns_eq, keys_checks, Anum_keys_expires_at},
+	2, first_two_columns, two_text_columns_eq, keys_checks, Anum_keys_expires_at, 0},
 	[IDEM_TABLE_EVENTS] = {"processed_events", Natts_events, events_columns,
-	2, first_two_columns, two_text_columns_eq, no_checks, Anum_events_expires_at},
+	2, first_two_columns, two_text_columns_eq, no_checks, Anum_events_expires_at, 0},
 	/* only enqueued here; the rest of the outbox's life is SQL (outbox.c) */
 	[IDEM_TABLE_OUTBOX] = {"outbox", Natts_outbox, outbox_columns,
-	2, topic_and_id, topic_and_id_eq, outbox_checks, InvalidAttrNumber},
+	2, topic_and_id, topic_and_id_eq, outbox_checks, InvalidAttrNumber,
+	Natts_outbox - Natts_outbox_1_1},
 };
 
 #define OUTBOX_SEQUENCE "outbox_id_seq"
@@ -351,14 +354,17 @@ idem_table_def(IdemTable table)
  * and their callers were built for.  Only the outbox is locked here: the
  * worker publishes holding its lock, and DROP EXTENSION locks the tables in
  * an order of its own, so a lock on another of them taken now could
- * deadlock with it.
+ * deadlock with it.  *natts is set to how many columns it has: Natts_outbox,
+ * or, in a database still at 1.1, Natts_outbox_1_1.
  */
 Oid
-idem_outbox_owner(void)
+idem_outbox_owner(int *natts)
 {
 	char		partmethod;
 	Relation	heap = open_table(IDEM_TABLE_OUTBOX, AccessShareLock, &partmethod);
 	Oid			owner = heap->rd_rel->relowner;
+
+	*natts = RelationGetDescr(heap)->natts;
 
 	table_close(heap, NoLock);
 	return owner;
