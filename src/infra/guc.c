@@ -303,9 +303,12 @@ idem_define_gucs(void)
 							NULL, NULL, NULL);
 
 	DefineCustomIntVariable("idempotency.outbox_max_attempts",
-							"Attempts after which an outbox row is dead.",
-							"A dead row keeps holding back the later rows of its "
-							"key until idem_outbox_requeue or idem_outbox_discard.",
+							"Failed tries after which an outbox row is dead.",
+							"Failed tries are nacks, leases run out and failed "
+							"publications (the outbox's failures column; from 1.2, "
+							"hand-outs alone do not count).  A dead row keeps holding "
+							"back the later rows of its key until idem_outbox_requeue "
+							"or idem_outbox_discard.",
 							&idem_outbox_max_attempts,
 							10, 1, INT_MAX,
 							PGC_SUSET,
