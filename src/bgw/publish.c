@@ -908,6 +908,25 @@ publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
  * ---------------------------------------------------------------------
  */
 
+/* A publishing unit of work, for worker_run_unit. */
+typedef struct PublishUnit
+{
+	MaintenanceCursor *cursor;
+	const char *error;			/* blame_unit's */
+	bool		began;			/* batch_unit's: it got past the extension's lock */
+} PublishUnit;
+
+/* blame_row's unit */
+static bool
+blame_unit(void *arg)
+{
+	PublishUnit *publish = arg;
+	MaintenanceCounts counts;
+
+	memset(&counts, 0, sizeof(counts));
+	return publish_blame(publish->cursor, publish->error, &counts);
+}
+
 /*
  * Record, in a transaction of its own, the failed attempt of the row whose
  * own transaction failed with error (see publish_failed): that
@@ -917,26 +936,22 @@ publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
 static bool
 blame_row(MaintenanceCursor *cursor, const char *error)
 {
+	PublishUnit publish = {cursor, error, false};
+
+	return worker_run_unit(NULL, WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
+						   blame_unit, &publish, NULL);
+}
+
+/* run_publish_batch's unit */
+static bool
+batch_unit(void *arg)
+{
+	PublishUnit *publish = arg;
 	MaintenanceCounts counts;
-	volatile bool recorded = false;
 
 	memset(&counts, 0, sizeof(counts));
-	worker_begin_unit(NULL);
-	PG_TRY();
-	{
-		worker_lock_extension();
-		recorded = publish_blame(cursor, error, &counts);
-		PopActiveSnapshot();
-		worker_count_own_xid();
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		worker_report_and_abort();
-		recorded = false;
-	}
-	PG_END_TRY();
-	return recorded;
+	publish->began = true;
+	return publish_batch(publish->cursor, &counts);
 }
 
 /*
@@ -952,40 +967,16 @@ blame_row(MaintenanceCursor *cursor, const char *error)
 static bool
 run_publish_batch(MaintenanceCursor *cursor)
 {
-	MemoryContext context = CurrentMemoryContext;
-	MaintenanceCounts counts;
-	ErrorData  *volatile error = NULL;
-	volatile bool more = false;
-	volatile bool batch_began = false;
+	PublishUnit publish = {cursor, NULL, false};
+	ErrorData  *error;
+	bool		more;
 	bool		blame;
 
-	memset(&counts, 0, sizeof(counts));
-	worker_begin_unit(maintenance_unit_names[UNIT_PUBLISH]);
+	more = worker_run_unit(maintenance_unit_names[UNIT_PUBLISH],
+						   WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
+						   batch_unit, &publish, &error);
 
-	PG_TRY();
-	{
-		worker_lock_extension();
-		batch_began = true;
-		more = publish_batch(cursor, &counts);
-		PopActiveSnapshot();
-		worker_count_own_xid();
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		/* worker_report_and_abort, keeping the error (out of the transaction's memory) */
-		HOLD_INTERRUPTS();
-		worker_count_own_xid();
-		MemoryContextSwitchTo(context);
-		error = CopyErrorData();
-		EmitErrorReport();
-		AbortCurrentTransaction();
-		FlushErrorState();
-		RESUME_INTERRUPTS();
-	}
-	PG_END_TRY();
-
-	if (error != NULL && !batch_began)
+	if (error != NULL && !publish.began)
 	{
 		/*
 		 * No row was tried (the extension was dropped meanwhile, most
@@ -1006,7 +997,6 @@ run_publish_batch(MaintenanceCursor *cursor)
 	}
 
 	pgstat_report_stat(false);
-	pgstat_report_activity(STATE_IDLE, NULL);
 	return more;
 }
 

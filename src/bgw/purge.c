@@ -519,6 +519,26 @@ purge_prune(MaintenanceUnit unit, MaintenanceCursor *cursor, bool both)
  * ---------------------------------------------------------------------
  */
 
+/* A purge's unit of work, for worker_run_unit; left is prune_unit's. */
+typedef struct PurgeUnit
+{
+	MaintenanceUnit unit;
+	MaintenanceCursor *cursor;
+	uint32		left;
+} PurgeUnit;
+
+/* run_batch's unit: prune the pages of the batch two before, then a batch */
+static bool
+batch_unit(void *arg)
+{
+	PurgeUnit  *purge = arg;
+	MaintenanceCounts counts;
+
+	memset(&counts, 0, sizeof(counts));
+	(void) purge_prune(purge->unit, purge->cursor, false);
+	return purge_batch(purge->unit, purge->cursor, &counts);
+}
+
 /*
  * One batch of one kind of work, in a transaction of its own.  An ERROR is
  * reported and swallowed: the work is tried again next round.  Returns
@@ -528,8 +548,8 @@ purge_prune(MaintenanceUnit unit, MaintenanceCursor *cursor, bool both)
 static bool
 run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 {
-	MaintenanceCounts counts;
-	bool		more = false;
+	PurgeUnit	purge = {unit, cursor, 0};
+	bool		more;
 
 	/*
 	 * A purge batch lost in a crash is simply done again, so its commit
@@ -542,31 +562,23 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	if (unit != UNIT_PUBLISH)
 		SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
 
-	memset(&counts, 0, sizeof(counts));
-	worker_begin_unit(maintenance_unit_names[unit]);
-
-	PG_TRY();
-	{
-		worker_lock_extension();
-		(void) purge_prune(unit, cursor, false);
-		more = purge_batch(unit, cursor, &counts);
-		PopActiveSnapshot();
-		worker_count_own_xid();
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		worker_report_and_abort();
-		more = false;
-	}
-	PG_END_TRY();
+	more = worker_run_unit(maintenance_unit_names[unit],
+						   WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
+						   batch_unit, &purge, NULL);
 
 	if (unit != UNIT_PUBLISH)
 		SetConfigOption("synchronous_commit", "on", PGC_SUSET, PGC_S_OVERRIDE);
 
 	pgstat_report_stat(false);
-	pgstat_report_activity(STATE_IDLE, NULL);
 	return more;
+}
+
+/* vacuum_table's unit: the VACUUM, which ends and starts transactions itself */
+static bool
+vacuum_unit(void *stmt)
+{
+	ExecVacuum(make_parsestate(NULL), (VacuumStmt *) stmt, true);
+	return true;
 }
 
 /*
@@ -597,23 +609,39 @@ vacuum_table(const char *name)
 	stmt->is_vacuumcmd = true;
 	MemoryContextSwitchTo(old);
 
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	pgstat_report_activity(STATE_RUNNING, "vacuuming after a purge");
 	PortalContext = vacuum_context;
-	PG_TRY();
-	{
-		ExecVacuum(make_parsestate(NULL), stmt, true);
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		worker_report_and_abort();
-	}
-	PG_END_TRY();
+	(void) worker_run_unit("vacuuming after a purge", 0, vacuum_unit, stmt, NULL);
 	PortalContext = NULL;
 	MemoryContextReset(vacuum_context);
-	pgstat_report_activity(STATE_IDLE, NULL);
+}
+
+/* What purged_most_of looks at. */
+typedef struct PurgedShare
+{
+	const char *name;
+	uint64		purged;
+} PurgedShare;
+
+/* purged_most_of's unit */
+static bool
+purged_most_of_unit(void *arg)
+{
+	PurgedShare *share = arg;
+	Relation	rel = table_openrv_extended(makeRangeVar("idempotency", (char *) share->name, -1),
+											AccessShareLock, true);
+	bool		large;
+
+	/* reltuples is -1 for a table never vacuumed nor analyzed */
+	/*
+	 * A distributed table's purged rows were in its shards, which autovacuum
+	 * vacuums: the table of that name here is a shell.
+	 */
+	large = rel != NULL &&
+		(rel->rd_rel->reltuples < 0 || share->purged > 1000 + 0.2 * rel->rd_rel->reltuples) &&
+		idem_citus_partmethod(RelationGetRelid(rel)) == '\0';
+	if (rel != NULL)
+		table_close(rel, AccessShareLock);
+	return large;
 }
 
 /*
@@ -623,37 +651,11 @@ vacuum_table(const char *name)
 static bool
 purged_most_of(const char *name, uint64 purged)
 {
-	bool		large = false;
+	PurgedShare share = {name, purged};
 
 	if (purged <= 1000)
 		return false;
-
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	PG_TRY();
-	{
-		Relation	rel = table_openrv_extended(makeRangeVar("idempotency", (char *) name, -1),
-												AccessShareLock, true);
-
-		/* reltuples is -1 for a table never vacuumed nor analyzed */
-		/*
-		 * A distributed table's purged rows were in its shards, which
-		 * autovacuum vacuums: the table of that name here is a shell.
-		 */
-		large = rel != NULL &&
-			(rel->rd_rel->reltuples < 0 || purged > 1000 + 0.2 * rel->rd_rel->reltuples) &&
-			idem_citus_partmethod(RelationGetRelid(rel)) == '\0';
-		if (rel != NULL)
-			table_close(rel, AccessShareLock);
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		worker_report_and_abort();
-		large = false;
-	}
-	PG_END_TRY();
-	return large;
+	return worker_run_unit(NULL, 0, purged_most_of_unit, &share, NULL);
 }
 
 /*
@@ -814,11 +816,21 @@ report_pruned(MaintenanceUnit unit, MaintenanceCursor *cursor, uint32 left)
  * wait, or a page was pinned) are tried again by the next pass's batches and
  * at its end.
  */
+/* prune_after_pass's unit */
+static bool
+prune_unit(void *arg)
+{
+	PurgeUnit  *purge = arg;
+
+	purge->left = purge_prune(purge->unit, purge->cursor, true);
+	return true;
+}
+
 static void
 prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 {
 	IdemPurgedPages *last = &cursor->to_prune[unit][1];
-	volatile int64 left = -1;	/* unknown after an ERROR */
+	PurgeUnit	purge = {unit, cursor, 0};
 
 	if (last->span == 0 && cursor->to_prune[unit][0].span == 0 &&
 		cursor->unpruned[unit].span == 0)
@@ -830,22 +842,18 @@ prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	if (last->span > 0)
 		wait_for_older_snapshots(last->xid, cursor);
 	/* which rows are dead to all goes by the horizons of its snapshot */
-	worker_begin_unit(maintenance_unit_names[unit]);
-	PG_TRY();
-	{
-		worker_lock_extension();
-		left = purge_prune(unit, cursor, true);
-		PopActiveSnapshot();
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		worker_report_and_abort();
-	}
-	PG_END_TRY();
-	pgstat_report_activity(STATE_IDLE, NULL);
-	if (left >= 0)
-		report_pruned(unit, cursor, (uint32) left);
+	if (worker_run_unit(maintenance_unit_names[unit],
+						WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
+						prune_unit, &purge, NULL))
+		report_pruned(unit, cursor, purge.left);	/* unknown after an ERROR */
+}
+
+/* A transaction ID taken, and committed: see vacuum_after_purge. */
+static bool
+take_xid_unit(void *arg)
+{
+	*(TransactionId *) arg = GetTopTransactionId();
+	return true;
 }
 
 /*
@@ -882,10 +890,7 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit,
 	publish_if_woken(cursor);
 	vacuum_table(purged_tables[unit]);
 
-	StartTransactionCommand();
-	burned = GetTopTransactionId();
-	worker_count_own_xid();
-	CommitTransactionCommand();
+	(void) worker_run_unit(NULL, WORKER_UNIT_ERROR_EXITS, take_xid_unit, &burned, NULL);
 	wait_for_older_snapshots(burned, cursor);
 
 	publish_if_woken(cursor);
