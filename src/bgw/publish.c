@@ -898,6 +898,7 @@ publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
 typedef struct PublishUnit
 {
 	MaintenanceCursor *cursor;
+	MaintenanceCounts counts;	/* the worker's are not kept */
 	const char *error;			/* blame_unit's */
 	bool		began;			/* batch_unit's: it got past the extension's lock */
 } PublishUnit;
@@ -907,10 +908,8 @@ static bool
 blame_unit(void *arg)
 {
 	PublishUnit *publish = arg;
-	MaintenanceCounts counts;
 
-	memset(&counts, 0, sizeof(counts));
-	return publish_blame(publish->cursor, publish->error, &counts);
+	return publish_blame(publish->cursor, publish->error, &publish->counts);
 }
 
 /*
@@ -922,7 +921,7 @@ blame_unit(void *arg)
 static bool
 blame_row(MaintenanceCursor *cursor, const char *error)
 {
-	PublishUnit publish = {cursor, error, false};
+	PublishUnit publish = {.cursor = cursor, .error = error};
 
 	return worker_run_unit(NULL, WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
 						   blame_unit, &publish, NULL);
@@ -933,11 +932,9 @@ static bool
 batch_unit(void *arg)
 {
 	PublishUnit *publish = arg;
-	MaintenanceCounts counts;
 
-	memset(&counts, 0, sizeof(counts));
 	publish->began = true;
-	return publish_batch(publish->cursor, &counts);
+	return publish_batch(publish->cursor, &publish->counts);
 }
 
 /*
@@ -953,7 +950,7 @@ batch_unit(void *arg)
 static bool
 run_publish_batch(MaintenanceCursor *cursor)
 {
-	PublishUnit publish = {cursor, NULL, false};
+	PublishUnit publish = {.cursor = cursor};
 	ErrorData  *error;
 	bool		more;
 	bool		blame;

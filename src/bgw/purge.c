@@ -519,12 +519,13 @@ purge_prune(MaintenanceUnit unit, MaintenanceCursor *cursor, bool both)
  * ---------------------------------------------------------------------
  */
 
-/* A purge's unit of work, for worker_run_unit; left is prune_unit's. */
+/* A purge's unit of work, for worker_run_unit. */
 typedef struct PurgeUnit
 {
 	MaintenanceUnit unit;
 	MaintenanceCursor *cursor;
-	uint32		left;
+	MaintenanceCounts counts;	/* the worker's are not kept */
+	uint32		left;			/* prune_unit's */
 } PurgeUnit;
 
 /* run_batch's unit: prune the pages of the batch two before, then a batch */
@@ -532,11 +533,9 @@ static bool
 batch_unit(void *arg)
 {
 	PurgeUnit  *purge = arg;
-	MaintenanceCounts counts;
 
-	memset(&counts, 0, sizeof(counts));
 	(void) purge_prune(purge->unit, purge->cursor, false);
-	return purge_batch(purge->unit, purge->cursor, &counts);
+	return purge_batch(purge->unit, purge->cursor, &purge->counts);
 }
 
 /*
@@ -548,7 +547,7 @@ batch_unit(void *arg)
 static bool
 run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 {
-	PurgeUnit	purge = {unit, cursor, 0};
+	PurgeUnit	purge = {.unit = unit, .cursor = cursor};
 	bool		more;
 
 	/*
@@ -830,7 +829,7 @@ static void
 prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 {
 	IdemPurgedPages *last = &cursor->to_prune[unit][1];
-	PurgeUnit	purge = {unit, cursor, 0};
+	PurgeUnit	purge = {.unit = unit, .cursor = cursor};
 
 	if (last->span == 0 && cursor->to_prune[unit][0].span == 0 &&
 		cursor->unpruned[unit].span == 0)
