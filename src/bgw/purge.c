@@ -807,14 +807,6 @@ report_pruned(MaintenanceUnit unit, MaintenanceCursor *cursor, uint32 left)
 								 purged_tables[unit], left)));
 }
 
-/*
- * Prune the pages the last two batches of a purge deleted rows on (run_batch
- * prunes those of the batches before), and those an earlier prune could not
- * prune yet, in a transaction of its own, once the snapshots older than the
- * last batch's commit are gone.  Pages still left (a snapshot outlasted the
- * wait, or a page was pinned) are tried again by the next pass's batches and
- * at its end.
- */
 /* prune_after_pass's unit */
 static bool
 prune_unit(void *arg)
@@ -825,6 +817,14 @@ prune_unit(void *arg)
 	return true;
 }
 
+/*
+ * Prune the pages the last two batches of a purge deleted rows on (run_batch
+ * prunes those of the batches before), and those an earlier prune could not
+ * prune yet, in a transaction of its own, once the snapshots older than the
+ * last batch's commit are gone.  Pages still left (a snapshot outlasted the
+ * wait, or a page was pinned) are tried again by the next pass's batches and
+ * at its end.
+ */
 static void
 prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 {
@@ -844,7 +844,7 @@ prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	if (worker_run_unit(maintenance_unit_names[unit],
 						WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
 						prune_unit, &purge, NULL))
-		report_pruned(unit, cursor, purge.left);	/* unknown after an ERROR */
+		report_pruned(unit, cursor, purge.left);	/* (not after an ERROR) */
 }
 
 /* A transaction ID taken, and committed: see vacuum_after_purge. */
