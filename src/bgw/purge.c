@@ -519,6 +519,13 @@ purge_prune(MaintenanceUnit unit, MaintenanceCursor *cursor, bool both)
  * ---------------------------------------------------------------------
  */
 
+/* The table each purge unit deletes from. */
+static const char *const purged_tables[NUM_MAINTENANCE_UNITS] = {
+	[UNIT_PURGE_KEYS] = "keys",
+	[UNIT_PURGE_EVENTS] = "processed_events",
+	[UNIT_PURGE_OUTBOX] = "outbox",
+};
+
 /* A purge's unit of work, for worker_run_unit. */
 typedef struct PurgeUnit
 {
@@ -614,19 +621,14 @@ vacuum_table(const char *name)
 	MemoryContextReset(vacuum_context);
 }
 
-/* What purged_most_of looks at. */
-typedef struct PurgedShare
-{
-	const char *name;
-	uint64		purged;
-} PurgedShare;
-
 /* purged_most_of's unit */
 static bool
 purged_most_of_unit(void *arg)
 {
-	PurgedShare *share = arg;
-	Relation	rel = table_openrv_extended(makeRangeVar("idempotency", (char *) share->name, -1),
+	PurgeUnit  *purge = arg;
+	uint64		purged = purge->cursor->purged_in_pass[purge->unit];
+	Relation	rel = table_openrv_extended(makeRangeVar("idempotency",
+														 (char *) purged_tables[purge->unit], -1),
 											AccessShareLock, true);
 	bool		large;
 
@@ -636,7 +638,7 @@ purged_most_of_unit(void *arg)
 	 * vacuums: the table of that name here is a shell.
 	 */
 	large = rel != NULL &&
-		(rel->rd_rel->reltuples < 0 || share->purged > 1000 + 0.2 * rel->rd_rel->reltuples) &&
+		(rel->rd_rel->reltuples < 0 || purged > 1000 + 0.2 * rel->rd_rel->reltuples) &&
 		idem_citus_partmethod(RelationGetRelid(rel)) == '\0';
 	if (rel != NULL)
 		table_close(rel, AccessShareLock);
@@ -648,13 +650,13 @@ purged_most_of_unit(void *arg)
  * default rule: more than 1000 rows plus a fifth of the table.
  */
 static bool
-purged_most_of(const char *name, uint64 purged)
+purged_most_of(MaintenanceUnit unit, MaintenanceCursor *cursor)
 {
-	PurgedShare share = {name, purged};
+	PurgeUnit	purge = {.unit = unit, .cursor = cursor};
 
-	if (purged <= 1000)
+	if (cursor->purged_in_pass[unit] <= 1000)
 		return false;
-	return worker_run_unit(NULL, 0, purged_most_of_unit, &share, NULL);
+	return worker_run_unit(NULL, 0, purged_most_of_unit, &purge, NULL);
 }
 
 /*
@@ -781,13 +783,6 @@ wait_for_older_snapshots(TransactionId xid, MaintenanceCursor *cursor)
 	}
 }
 
-/* The table each purge unit deletes from. */
-static const char *const purged_tables[NUM_MAINTENANCE_UNITS] = {
-	[UNIT_PURGE_KEYS] = "keys",
-	[UNIT_PURGE_EVENTS] = "processed_events",
-	[UNIT_PURGE_OUTBOX] = "outbox",
-};
-
 /*
  * Say at DEBUG1 how many pages a pass pruned and how many it left for the
  * next (what the tests wait for).
@@ -880,7 +875,7 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit,
 	static bool owed[NUM_MAINTENANCE_UNITS];
 	TransactionId burned;
 
-	if (purged_most_of(purged_tables[unit], cursor->purged_in_pass[unit]))
+	if (purged_most_of(unit, cursor))
 		owed[unit] = true;
 	if (!owed[unit] || busy_in_pass ||
 		(idem_purge_busy_share < 100 && others_write_over(100, cursor)))
