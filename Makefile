@@ -23,6 +23,7 @@ OBJS = \
 	src/infra/claim_wait.o \
 	src/infra/guc.o \
 	src/infra/run_as.o \
+	src/infra/subxact.o \
 	src/infra/shmem.o \
 	src/direct/guard.o \
 	src/direct/outbox_ack.o \

@@ -25,7 +25,8 @@
  * Owns: the tables' OIDs (cached per backend), the probe, speculative
  *	  insertion, updates and deletes that give up instead of waiting, index
  *	  maintenance.
- * May call: direct/table_check.h (on first open), compat.h.  Called by
+ * May call: direct/table_check.h (on first open), infra/subxact.h (the
+ *	  outbox sequence's move), compat.h.  Called by
  *	  api/keys.c, api/events.c, direct/outbox_sql.c (the owner),
  *	  direct/outbox_ack.c (the outbox) and bgw/purge.c (the walk).
  *
@@ -60,6 +61,7 @@
 #include "direct/table_check.h"
 #include "direct/shards.h"
 #include "direct/tables.h"
+#include "infra/subxact.h"
 
 #define IDEM_SCHEMA "idempotency"
 
@@ -947,23 +949,33 @@ idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls, int nrows)
  * waits for do: two of them that each wait here for the other deadlock.
  * So idem_outbox_next_id comes here before its nextval where it can.
  */
+typedef struct SequenceMove
+{
+	Oid			seqid;
+	int64		target;
+	int64		value;			/* the nextval taken under the lock */
+} SequenceMove;
+
+/* sequence_past's work, in its subtransaction */
+static void
+sequence_move_work(void *arg)
+{
+	SequenceMove *move = arg;
+
+	LockRelationOid(move->seqid, ShareRowExclusiveLock);
+	move->value = nextval_internal(move->seqid, false);
+	if (move->value <= move->target)
+		(void) DirectFunctionCall2(setval_oid, ObjectIdGetDatum(move->seqid),
+								   Int64GetDatum(move->target));
+}
+
 static int64
 sequence_past(Oid seqid, int64 target)
 {
-	MemoryContext context = CurrentMemoryContext;
-	ResourceOwner owner = CurrentResourceOwner;
-	int64		value;
+	SequenceMove move = {seqid, target, 0};
 
-	BeginInternalSubTransaction(NULL);
-	MemoryContextSwitchTo(context);
-	LockRelationOid(seqid, ShareRowExclusiveLock);
-	value = nextval_internal(seqid, false);
-	if (value <= target)
-		(void) DirectFunctionCall2(setval_oid, ObjectIdGetDatum(seqid), Int64GetDatum(target));
-	RollbackAndReleaseCurrentSubTransaction();
-	MemoryContextSwitchTo(context);
-	CurrentResourceOwner = owner;
-	return value > target ? value : nextval_internal(seqid, false);
+	(void) idem_subxact_run(sequence_move_work, &move, SUBXACT_ROLL_BACK, NULL);
+	return move.value > target ? move.value : nextval_internal(seqid, false);
 }
 
 /*
