@@ -118,6 +118,11 @@ class Attempt {
       } catch (error) {
         await this.#rollback(client);
         if (error.code === P.RELEASED) return null; // nothing the handler wrote remains
+        if (error.code === P.TOO_LARGE) {
+          // the claim went with the handler's writes: the key is free again
+          s.log(`pg-idempotency: the response to key "${this.key}" in scope "${this.scope}" was too large to store, and the handler's transaction was rolled back: ${error.message}`);
+          return tooLarge();
+        }
         s.log(`pg-idempotency: the response to key "${this.key}" could not be stored, and the handler's transaction was rolled back: ${error.message}`);
         return problemAnswer(500, 'Response not stored',
           'The request could not be completed; nothing was kept, and it may be retried.');
@@ -138,7 +143,10 @@ class Attempt {
         return problemAnswer(409, 'Idempotency-Key taken over',
           'This attempt lost its claim of the Idempotency-Key to a retry; its answer was not stored.');
       }
-      s.log(`pg-idempotency: the response to key "${this.key}" was not stored: ${error.message}`);
+      // too large to store (P.TOO_LARGE) or any other failure: the
+      // handler's answer goes to the client as it is, the key is released
+      const why = error.code === P.TOO_LARGE ? 'was too large to store' : 'was not stored';
+      s.log(`pg-idempotency: the response to key "${this.key}" in scope "${this.scope}" ${why}, and the key was released: ${error.message}`);
       await this.#release();
       return null;
     }
@@ -234,6 +242,13 @@ function watch(client) {
 
 function unwatch(client) {
   client.removeListener('error', ignoreLostConnection);
+}
+
+// One-transaction mode: idem_complete refused the body
+// (idempotency.max_response_bytes) and everything was rolled back
+function tooLarge() {
+  return problemAnswer(500, 'Response too large to store',
+    'The response was too large to store (idempotency.max_response_bytes): nothing was done, and the request may be retried.');
 }
 
 function problemAnswer(status, title, detail) {

@@ -28,6 +28,8 @@ const COMPLETE = 'SELECT idempotency.idem_complete($1, $2, $3, $4, $5, $6) AS do
 // failure only): see likelyStored.
 const COMPLETE_OR_ABORT = `SELECT 1 / (idempotency.idem_complete($1, $2, $3, $4, $5::jsonb, $6) = 'stored')::int`;
 const RELEASED = '22012';
+// idem_complete refused a body over idempotency.max_response_bytes
+const TOO_LARGE = '54000';
 const RELEASE = 'SELECT idempotency.idem_release($1, $2, $3)';
 const CHECKPOINT = 'SELECT idempotency.idem_checkpoint($1, $2, $3, $4)';
 const EXTEND = 'SELECT idempotency.idem_extend_lease($1, $2, $3, $4::interval)';
@@ -264,7 +266,7 @@ function answerTo(claim) {
 }
 
 module.exports = {
-  CLAIM, COMPLETE, COMPLETE_OR_ABORT, RELEASED, RELEASE, CHECKPOINT, EXTEND, LOST_CLAIM, MISSING_KEY,
+  CLAIM, COMPLETE, COMPLETE_OR_ABORT, RELEASED, TOO_LARGE, RELEASE, CHECKPOINT, EXTEND, LOST_CLAIM, MISSING_KEY,
   inline, literal, utf8Database, likelyStored, interval, settings, problem, readKey, principalOf, pathOf, boundScope,
   storedResponse, answerTo, claimArgs,
 };

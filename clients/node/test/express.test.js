@@ -331,3 +331,36 @@ test('a COMMIT that fails: the client gets 500 instead of the handler\'s 201, no
     await server.close();
   }
 });
+
+// fails before the fix in any version that committed the handler's writes
+// and released the key: the retry would have written the row twice
+test('one transaction: a response too large to store rolls everything back and answers 500; the retry runs again', async () => {
+  const logged = [];
+  const app = express();
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool, log: (message) => logged.push(message) }));
+  app.post('/big', async (req, res) => {
+    await req.idempotency.db.query('INSERT INTO node_items (label) VALUES ($1)', [req.body.label]);
+    // PGC_SUSET: the suite's PGUSER is a superuser; for this transaction only
+    await req.idempotency.db.query("SET LOCAL idempotency.max_response_bytes = '1kB'");
+    res.status(201).type('text/plain').send('x'.repeat(2048));
+  });
+  const server = await listen(app);
+  try {
+    const label = randomUUID();
+    const key = randomUUID();
+    for (const attempt of [1, 2]) { // the retry is claimed again: it runs again
+      const refused = await request(server, { path: '/big', key, body: { label } });
+      assert.equal(refused.status, 500, `attempt ${attempt}`);
+      assert.equal(refused.headers['content-type'], 'application/problem+json');
+      assert.equal(refused.headers['idempotent-replayed'], undefined);
+      assert.match(JSON.parse(refused.body).detail, /too large to store.*nothing was done/);
+      assert.equal(await count(label), 0);
+      assert.deepEqual((await pool.query(KEYS, [key])).rows, []);
+      assert.equal(logged.length, attempt);
+      assert.match(logged.at(-1), new RegExp(`key "${key}" in scope ".*POST /big" was too large to store`));
+    }
+  } finally {
+    await server.close();
+  }
+});

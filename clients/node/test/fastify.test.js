@@ -178,3 +178,32 @@ test('a hijacked reply: rolled back, the key released, and logged; a route may o
     await server.close();
   }
 });
+
+test('one transaction: a response too large to store rolls everything back and answers 500; the retry runs again', async () => {
+  const logged = [];
+  const app = Fastify();
+  await app.register(idempotency.fastify, { pool, log: (message) => logged.push(message) });
+  app.post('/big', async (request, reply) => {
+    await request.idempotency.db.query('INSERT INTO node_items (label) VALUES ($1)', [request.body.label]);
+    // PGC_SUSET: the suite's PGUSER is a superuser; for this transaction only
+    await request.idempotency.db.query("SET LOCAL idempotency.max_response_bytes = '1kB'");
+    return reply.code(201).type('text/plain').send('x'.repeat(2048));
+  });
+  const server = await listenFastify(app);
+  try {
+    const label = randomUUID();
+    const key = randomUUID();
+    for (const attempt of [1, 2]) { // the retry is claimed again: it runs again
+      const refused = await request(server, { path: '/big', key, body: { label } });
+      assert.equal(refused.status, 500, `attempt ${attempt}`);
+      assert.equal(refused.headers['content-type'], 'application/problem+json');
+      assert.match(JSON.parse(refused.body).detail, /too large to store.*nothing was done/);
+      assert.equal(await count(label), 0);
+      assert.deepEqual((await pool.query(KEYS, [key])).rows, []);
+      assert.equal(logged.length, attempt);
+      assert.match(logged.at(-1), /too large to store/);
+    }
+  } finally {
+    await server.close();
+  }
+});

@@ -11,10 +11,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
 from http import HTTPStatus
 from typing import Any, Callable, Collection, Generic, Iterable, Mapping, Optional, TypeVar, Union
+
+log = logging.getLogger("pg_idempotency")
 
 R = TypeVar("R")  # the framework's request
 
@@ -208,6 +211,22 @@ def not_claimed(claim: Claim) -> Answer:
     if claim.outcome == "mismatch":
         return problem(422, "this Idempotency-Key was used with another request")
     raise RuntimeError(f"idem_claim answered {claim.outcome!r}")
+
+
+def too_large(scope: str, key: str, error: BaseException, released: bool) -> Answer:
+    """idem_complete refused the handler's body (idempotency.max_response_bytes): logged.
+
+    One-transaction mode (released False): the caller rolls the whole
+    transaction back, the handler's writes and the claim with it, and
+    answers this 500: nothing was done, and the request may be retried.
+    Two-transaction mode (released True): the key was released, and the
+    handler's own answer goes to the client; this one is not used.
+    """
+    log.warning("idempotency key %r in scope %r: response too large to store, %s: %s",
+                key, scope, "key released" if released else "transaction rolled back", error)
+    return problem(500, "the response was too large to store "
+                        "(idempotency.max_response_bytes): nothing was done, "
+                        "and the request may be retried")
 
 
 def lost_key() -> Answer:

@@ -25,7 +25,7 @@ from ._protocol import (
     CHECKPOINT, CLAIM, COMPLETE, EXTEND_LEASE, ONE_TRANSACTION, RELEASE, Answer, Claim,
     Context, IdempotencyKeyLost, Options, bounded_scope, check_mode, claim_times, complete_params,
     default_fingerprint, default_scope, is_lost_key, is_too_large, lost_key, missing_key,
-    not_claimed, parse_key,
+    not_claimed, parse_key, too_large,
 )
 
 __all__ = ["IdempotencyMiddleware", "idempotency_connection", "IdempotencyKeyLost"]
@@ -206,8 +206,13 @@ class IdempotencyMiddleware:
                 try:
                     outcome = await self._complete(conn, key_scope, key, response, None)
                 except BaseException as failed:
-                    await transaction.__aexit__(type(failed), failed, failed.__traceback__)
-                    raise
+                    if not is_too_large(failed):
+                        await transaction.__aexit__(type(failed), failed, failed.__traceback__)
+                        raise
+                    # the handler's writes and the claim go: nothing was done
+                    await transaction.__aexit__(psycopg.Rollback, psycopg.Rollback(), None)
+                    await _send_answer(send, too_large(key_scope, key, failed, released=False))
+                    return
                 if outcome == "released":  # a transient status: undo the writes too
                     await transaction.__aexit__(psycopg.Rollback, psycopg.Rollback(), None)
                 else:
@@ -232,16 +237,19 @@ class IdempotencyMiddleware:
 
     async def _complete(self, conn: AsyncConnection[Any], key_scope: str, key: str,
                         response: _Buffered, attempt: Optional[int]) -> str:
+        """idem_complete; a body too large raises in the one-transaction mode
+        (attempt None), and releases the key in the two-transaction mode."""
         params = complete_params(key_scope, key, response.status, response.header_pairs(),
                                  response.body, self.options, attempt)
+        if attempt is None:
+            return str((await _fetch(conn, COMPLETE, params))[0])
         try:
-            async with conn.transaction():  # a savepoint inside the claim's transaction
+            async with conn.transaction():  # a savepoint: the release follows
                 return str((await _fetch(conn, COMPLETE, params))[0])
         except psycopg.errors.ProgramLimitExceeded as error:
             if not is_too_large(error):
                 raise
-            log.warning("idempotency key %r in scope %r: response not stored: %s",
-                        key, key_scope, error)
+            too_large(key_scope, key, error, released=True)
             await _fetch(conn, RELEASE, (key_scope, key, attempt))
             return "too large"
 

@@ -14,7 +14,6 @@ rolls back whatever a failure left open. The protocol is doc/http.md's.
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Optional
 
 import psycopg
@@ -25,12 +24,11 @@ from ._protocol import (
     CLAIM, COMPLETE, ONE_TRANSACTION, RELEASE, Answer, Claim, Context, IdempotencyKeyLost,
     Options, bounded_scope, claim_times, complete_params, default_fingerprint, default_scope,
     is_lost_key, is_too_large, lost_key, missing_key, not_claimed, parse_key, principal_of, problem,
+    too_large,
 )
 from ._sync import Heartbeat, checkpoint_with
 
 __all__ = ["Idempotency", "IdempotencyKeyLost"]
-
-log = logging.getLogger("pg_idempotency")
 
 
 def _fetch(conn: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]) -> Any:
@@ -176,7 +174,14 @@ class Idempotency:
                 if response.status_code >= 500:
                     return response
                 return self._response(problem(500, "the transaction failed"))
-            outcome = self._complete(conn, params)
+            try:
+                outcome = self._complete(conn, params, one_transaction=True)
+            except psycopg.Error as error:
+                if not is_too_large(error):
+                    raise
+                state.rollback()  # the handler's writes and the claim go: nothing was done
+                answer = too_large(context.scope, context.key, error, released=False)
+                return self._response(answer)
             if outcome == "released":  # a transient status: undo the writes too
                 state.rollback()
             else:
@@ -192,16 +197,20 @@ class Idempotency:
         return response
 
     @staticmethod
-    def _complete(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> str:
+    def _complete(conn: psycopg.Connection[Any], params: tuple[Any, ...],
+                  one_transaction: bool = False) -> str:
+        """idem_complete; a body too large raises in the one-transaction mode,
+        and releases the key in the two-transaction mode."""
+        scope, key, attempt = params[0], params[1], params[5]
+        if one_transaction:
+            return str(_fetch(conn, COMPLETE, params)[0])
         try:
-            with conn.transaction():  # a savepoint: a refused body leaves the rest
+            with conn.transaction():  # a savepoint: the release follows
                 return str(_fetch(conn, COMPLETE, params)[0])
         except psycopg.errors.ProgramLimitExceeded as error:
             if not is_too_large(error):
                 raise
-            scope, key, attempt = params[0], params[1], params[5]
-            log.warning("idempotency key %r in scope %r: response not stored: %s",
-                        key, scope, error)
+            too_large(scope, key, error, released=True)
             _fetch(conn, RELEASE, (scope, key, attempt))
             return "too large"
 

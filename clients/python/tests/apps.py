@@ -3,6 +3,8 @@
   POST /orders   one transaction: inserts a row on the middleware's connection
   POST /binary   answers 1 KiB of every byte value (stored in base64)
   POST /boom     inserts a row, then raises: a 500, rolled back
+  POST /too-large  inserts a row, lowers idempotency.max_response_bytes to
+                 1kB for its transaction (SET LOCAL), answers 201 with BIG
   POST /slow     two transactions: checkpoints "started", waits for GATE,
                  checkpoints "finishing", answers its attempt and the
                  recovery point it was given
@@ -37,6 +39,8 @@ BINARY = bytes(range(256)) * 4
 OPTIONS = {"wait": 0.2, "lease": 1.2, "required": True}
 POOL_KWARGS = {"autocommit": True, "prepare_threshold": None}
 INSERT = "INSERT INTO orders (sku, qty) VALUES (%s, %s) RETURNING id"
+SET_LIMIT = "SET LOCAL idempotency.max_response_bytes = '1kB'"  # PGC_SUSET: PGUSER's a superuser
+BIG = b"x" * 2048
 
 
 def slow_mode(request):
@@ -75,6 +79,12 @@ def starlette_app(pool, **options):
         body = await request.json()
         await request.state.idempotency.conn.execute(INSERT, (body["sku"], body["qty"]))
         raise RuntimeError("boom")
+
+    async def too_large(request):
+        body = await request.json()
+        await request.state.idempotency.conn.execute(INSERT, (body["sku"], body["qty"]))
+        await request.state.idempotency.conn.execute(SET_LIMIT)
+        return Response(BIG, status_code=201, media_type="text/plain")
 
     async def slow(request):
         context = request.state.idempotency
@@ -136,6 +146,7 @@ def starlette_app(pool, **options):
     return Starlette(
         routes=[Route(path, handler, methods=["POST"]) for path, handler in
                 (("/orders", orders), ("/binary", binary), ("/boom", boom), ("/slow", slow),
+                 ("/too-large", too_large),
                  ("/slow-boom", slow_boom), ("/sql-error", sql_error), ("/echo", echo),
                  ("/vary", vary), ("/background", background))] +
                [Route(path, Unfinished()) for path in ("/unfinished", "/slow-unfinished")],
@@ -174,6 +185,13 @@ def flask_app(pool):
         body = request.get_json()
         g.idempotency.conn.execute(INSERT, (body["sku"], body["qty"]))
         raise RuntimeError("boom")
+
+    @app.post("/too-large")
+    def too_large():
+        body = request.get_json()
+        g.idempotency.conn.execute(INSERT, (body["sku"], body["qty"]))
+        g.idempotency.conn.execute(SET_LIMIT)
+        return Response(BIG, status=201, mimetype="text/plain")
 
     @app.post("/slow")
     def slow():
@@ -242,6 +260,13 @@ def django_views():
             cursor.execute(INSERT, [body["sku"], body["qty"]])
         raise RuntimeError("boom")
 
+    def too_large(request):
+        body = json.loads(request.body)
+        with connection.cursor() as cursor:
+            cursor.execute(INSERT, [body["sku"], body["qty"]])
+            cursor.execute(SET_LIMIT)
+        return HttpResponse(BIG, status=201, content_type="text/plain")
+
     def slow(request):
         request.idempotency.checkpoint("started")
         GATE.wait(30)
@@ -270,6 +295,7 @@ def django_views():
             cursor.execute("SELECT 1/0")
 
     return [path("orders", orders), path("binary", binary), path("boom", boom),
+            path("too-large", too_large),
             path("slow", slow), path("slow-boom", slow_boom), path("sql-error", sql_error),
             path("async-orders", async_orders)]
 

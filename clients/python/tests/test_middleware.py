@@ -73,6 +73,22 @@ def test_an_exception_rolls_back_and_releases_the_key(server, db):
     assert again.status == 500 and not again.replayed  # it ran again
 
 
+def test_a_response_too_large_to_store_rolls_everything_back(server, db):
+    # fails before the fix: the writes were committed, the key released,
+    # and the answer a 201 (the retry then wrote the row again)
+    body, key = order(), str(uuid.uuid4())
+    first = post(server, "/too-large", body, key)
+    assert first.status == 500, first.body
+    assert first.headers["content-type"] == "application/problem+json"
+    assert "too large to store" in first.json()["detail"]
+    assert "nothing was done" in first.json()["detail"]
+    assert rows(db, body["sku"]) == 0 and stored(db, key) == []
+    again = post(server, "/too-large", body, key)  # claimed again: it ran again
+    assert again.status == 500 and not again.replayed
+    assert "too large to store" in again.json()["detail"]
+    assert rows(db, body["sku"]) == 0 and stored(db, key) == []
+
+
 def test_keys_are_scoped_to_the_principal(server, db):
     body, key = order(), str(uuid.uuid4())
     replies = [post(server, "/orders", body, key, Authorization=f"Bearer {name}")
