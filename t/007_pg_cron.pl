@@ -12,6 +12,7 @@
 use strict;
 use warnings;
 
+use IPC::Run;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
@@ -190,5 +191,30 @@ for my $db ('app', 'shop')
 
 $node->safe_psql('app', "SELECT cron.unschedule('idempotency-maintenance')");
 $node->safe_psql('app', "SELECT cron.unschedule('idempotency-maintenance-shop')");
+
+# --- a claim that waits, without preload: there are no wait slots in shared
+# memory, so it polls, and answers in_progress when its wait runs out (it
+# crashed the backend, leaving a slot it never entered: a NULL dereference)
+my ($holder_out, $holder_err) = ('', '');
+my $holder = IPC::Run::start(
+	[ 'psql', '-X', '-q', '-d', $node->connstr('shop'), '-c',
+	  "BEGIN; SELECT idempotency.idem_claim('wait', 'held'); SELECT pg_sleep(300); COMMIT" ],
+	'>', \$holder_out, '2>', \$holder_err);
+$node->poll_query_until('shop', q{
+	SELECT count(*) = 1 FROM pg_stat_activity
+	WHERE datname = 'shop' AND wait_event = 'PgSleep'})
+  or die 'the holder never got to its sleep';
+is($node->safe_psql('shop',
+		"SELECT outcome FROM idempotency.idem_claim('wait', 'held', wait => '300 ms')"),
+	'in_progress',
+	'without preload, a claim that waits for a held key polls, and answers in_progress when its wait runs out');
+is($node->safe_psql('shop', "SELECT (idempotency.idem_claim('wait', 'held', wait => '50 ms')).outcome"),
+	'in_progress', 'the same through the function, and the server is still up');
+$node->safe_psql('shop', q{
+	SELECT pg_cancel_backend(pid) FROM pg_stat_activity
+	WHERE datname = 'shop' AND wait_event = 'PgSleep'});
+$holder->finish;
+
 $node->stop;
+
 done_testing();

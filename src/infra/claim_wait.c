@@ -276,11 +276,13 @@ static void
 leave_slot(void)
 {
 	ClaimWaitSlot *slot = registered_slot;
-	int			me = my_waiter_index();
+	int			me;
 	int			partition;
 
+	/* not registered; without the library preloaded, never (no slots) */
 	if (slot == NULL)
 		return;
+	me = my_waiter_index();
 	registered_slot = NULL;
 	if (woken())
 		return;
