@@ -58,7 +58,7 @@ TEST_CONF = $(CURDIR)/test/idempotency.conf
 
 # pg_regress: one file per topic under sql/, expected output under expected/
 REGRESS = setup keys_claim keys_claim_scan keys_complete keys_lease keys_extend_lease keys_wait keys_fingerprint keys_input \
-	keys_release_policy keys_security events events_batch outbox outbox_batch outbox_routes ddl_guard outbox_fetch_plan
+	keys_release_policy keys_security events events_batch maintenance_purge outbox outbox_batch outbox_routes ddl_guard outbox_fetch_plan
 
 # pg_isolation_regress: specs/*.spec, expected output under expected/
 ISOLATION = claim_concurrent claim_rollback claim_lease claim_isolation_levels claim_result_times claim_wait claim_wait_lease \

@@ -23,7 +23,7 @@ Then the edition's functions (sql-edition/*.sql, CREATE OR REPLACE FUNCTION)
 replace the stubs: CREATE OR REPLACE keeps each stub's comment and grants,
 and PostgreSQL refuses one whose argument names, defaults or result type
 differ.  Every stub must be replaced except the functions listed in
-NOT_YET (the outbox and maintenance, the edition's next part); the script
+NOT_YET (the outbox, the edition's next part); the script
 says which in its header.  The whole is one transaction.
 
   scripts/build-sql-edition.py [--out DIR]
@@ -38,14 +38,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EDITION = os.path.join(ROOT, "sql-edition")
 
 # The edition's own sources, in the order they run (helpers first).
-SOURCES = ["settings.sql", "keys.sql", "fingerprint.sql", "events.sql", "stats.sql"]
+SOURCES = ["settings.sql", "keys.sql", "fingerprint.sql", "events.sql", "stats.sql", "maintenance.sql"]
 
 # C functions the edition does not have yet: they stay stubs (0A000).
 NOT_YET = {
     "idem_outbox_enqueue", "idem_outbox_enqueue_batch", "idem_outbox_route",
     "idem_outbox_fetch", "idem_outbox_ack", "idem_outbox_nack",
     "idem_outbox_requeue", "idem_outbox_discard", "_outbox_on_shard",
-    "idem_run_maintenance",
 }
 
 C_FUNCTION = re.compile(
@@ -174,9 +173,10 @@ def main():
  * It runs in one transaction: it installs everything or nothing, and refuses
  * to run where schema idempotency already exists.
  *
- * This version has the idempotency keys, consumer deduplication and
- * fingerprints.  The outbox and maintenance come next: their tables exist
- * (the idempotency.stats view reads them), and their functions
+ * This version has the idempotency keys, consumer deduplication,
+ * fingerprints and idem_run_maintenance() (the purge of keys and events).
+ * The outbox comes next: its tables exist (the idempotency.stats view reads
+ * them), and its functions
  * ({not_yet})
  * raise 0A000 until then.  How the editions differ: doc/internals.md.
  */

@@ -145,7 +145,7 @@ fi
 t=$work/t
 mkdir -p "$t/sql" "$t/expected" "$t/specs"
 regress=(keys_claim keys_claim_scan keys_complete keys_lease keys_extend_lease keys_wait keys_fingerprint
-	keys_input keys_release_policy keys_security events events_batch)
+	keys_input keys_release_policy keys_security events events_batch maintenance_purge)
 isolation=(claim_concurrent claim_rollback claim_lease claim_isolation_levels claim_result_times
 	claim_wait claim_wait_lease events_concurrent events_batch_concurrent)
 for f in "${regress[@]}"; do cp "sql/$f.sql" "expected/$f.out" "$t/sql/" 2>/dev/null; mv "$t/sql/$f.out" "$t/expected/"; done
@@ -169,7 +169,7 @@ sed -i "s|@script@|$script|" "$t/sql/sql_edition_setup.sql"
 
 echo "-- pg_regress: sql_edition_setup ${regress[*]}"
 "$pg_regress" --bindir="$bindir" --inputdir="$t" --outputdir="$t" --host="$work" --port="$sql_port" \
-	--user="$user" --dbname=sql_edition_regress sql_edition_setup "${regress[@]}" || {
+	--user="$user" --dbname=sql_edition_regress sql_edition_setup "${regress[@]}" sql_edition_maintenance || {
 	status=1; cat "$t/regression.diffs"; }
 
 # the isolation database: the script kept in a table, installed by a function
