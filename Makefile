@@ -170,7 +170,7 @@ check-installcheck:
 # The SQL edition (sql-edition/, PL/pgSQL and SQL only, for servers without
 # the C library): dist/idempotency-sql--<version>.sql, assembled from the C
 # edition's scripts and sql-edition/*.sql (scripts/build-sql-edition.py)
-.PHONY: dist check-sql-edition
+.PHONY: dist check-sql-edition check-pgtle
 dist:
 	python3 scripts/build-sql-edition.py
 
@@ -180,6 +180,18 @@ dist:
 # sql-edition/differences.patch (scripts/check-sql-edition.sh)
 check-sql-edition:
 	PG_CONFIG=$(PG_CONFIG) scripts/check-sql-edition.sh
+
+# The same, the edition registered with pg_tle (dist/idempotency-pgtle--*.sql)
+# and created with CREATE EXTENSION by a role holding pgtle_admin, when
+# pg_tle is installed in this server (Debian does not ship it: see
+# doc/testing.md); without it, one line says the suite did not run
+PGTLE_INSTALLED = $(wildcard $(shell $(PG_CONFIG) --sharedir)/extension/pg_tle.control)
+check-pgtle:
+ifneq ($(PGTLE_INSTALLED),)
+	PG_CONFIG=$(PG_CONFIG) VIA=pgtle scripts/check-sql-edition.sh
+else
+	@echo "pgtle suite: not run (pg_tle is not installed in this server: see doc/testing.md)"
+endif
 
 # The Debian package (debian/, pg_buildext): built in a scratch copy,
 # installed, and tested with installcheck against the installed library

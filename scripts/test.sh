@@ -23,6 +23,10 @@
 #               against the C edition's, and the key and event suites
 #               against it, with sql-edition/differences.patch
 #               (scripts/check-sql-edition.sh)
+#   pgtle       the same, the edition registered with pg_tle and created
+#               with CREATE EXTENSION by a role holding pgtle_admin, when
+#               pg_tle is installed in the server tree (one line of the
+#               summary says so when it is not; doc/testing.md)
 #
 # Every suite runs even when an earlier one fails; the summary at the end
 # lists each, and the exit status is non-zero if any failed.  SUITES picks a
@@ -59,13 +63,20 @@ tar --exclude=./.git --exclude='./tmp_check*' --exclude=./results --exclude=./ou
 
 summary=()
 status=0
-for suite in ${SUITES:-installcheck tap citus examples fuzz docs sql-edition}; do
+for suite in ${SUITES:-installcheck tap citus examples fuzz docs sql-edition pgtle}; do
 	echo
 	echo "== $suite"
 	# the Citus suite needs Citus in the server tree, which Debian does not ship
 	if [ "$suite" = citus ] &&
 		[ ! -e "$("$PG_CONFIG" --sharedir)/extension/citus.control" ]; then
 		summary+=("citus suite: not run (citus is not installed in this server)")
+		echo "${summary[-1]}"
+		continue
+	fi
+	# nor pg_tle
+	if [ "$suite" = pgtle ] &&
+		[ ! -e "$("$PG_CONFIG" --sharedir)/extension/pg_tle.control" ]; then
+		summary+=("pgtle suite: not run (pg_tle is not installed in this server: see doc/testing.md)")
 		echo "${summary[-1]}"
 		continue
 	fi
