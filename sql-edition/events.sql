@@ -170,10 +170,11 @@ BEGIN
 		now_ts := clock_timestamp();
 		FOR id IN
 			SELECT d.id
-			FROM (SELECT DISTINCT u.id COLLATE "C" AS id FROM unnest($2) AS u (id)
-				  WHERE u.id <> ALL (new_ids)) AS d
+			FROM (SELECT DISTINCT u.id COLLATE "C" AS id FROM unnest($2) AS u (id)) AS d
 			LEFT JOIN idempotency.processed_events AS e ON e.consumer = $1 AND e.event_id = d.id
-			WHERE e.event_id IS NULL OR e.expires_at <= now_ts
+			WHERE (e.event_id IS NULL OR e.expires_at <= now_ts)
+				/* a join, not <> ALL, which is quadratic once the plan is generic */
+				AND NOT EXISTS (SELECT FROM unnest(new_ids) AS n (id) WHERE n.id = d.id)
 			ORDER BY d.id
 		LOOP
 			IF idempotency._mark_event($1, id, p_retention) THEN
@@ -184,7 +185,7 @@ BEGIN
 	/* in the array's order, each id once */
 	RETURN QUERY
 		SELECT u.id FROM unnest($2) WITH ORDINALITY AS u (id, n)
-		WHERE u.id = ANY (new_ids)
+		WHERE u.id IN (SELECT n.id FROM unnest(new_ids) AS n (id))
 		GROUP BY u.id ORDER BY min(u.n);
 END
 $$;
