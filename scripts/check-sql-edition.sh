@@ -19,7 +19,9 @@
 #      specs/events_*.spec, against the C edition's expected output as
 #      sql-edition/differences.patch changes it: every difference between
 #      the editions is a hunk of that one file, with the reason above it,
-#      and a patch that no longer applies fails the suite.
+#      and a patch that no longer applies fails the suite;
+#   5. the differential fuzz (test/fuzz/diff_editions.py): the same random
+#      call sequences on both editions, the same results and SQLSTATEs.
 #
 # VIA=pgtle (make check-pgtle) installs the edition through pg_tle instead:
 # the server preloads pg_tle only, idempotency-pgtle--<version>.sql is run
@@ -249,5 +251,21 @@ mkdir -p "$t/iso"
 "$pg_isolation_regress" --bindir="$bindir" --inputdir="$t" --outputdir="$t/iso" --host="$work" \
 	--port="$sql_port" --user="$user" --use-existing --dbname=sql_edition_iso "${isolation[@]}" || {
 	status=1; cat "$t/iso/regression.diffs"; }
+
+# -- 5. the differential fuzz: the same random call sequences on both
+# editions, the same results and errors (test/fuzz/diff_editions.py, about
+# DIFF_SECONDS, 30 by default)
+if [ "$via" = script ] && [ -n "${c_port:-}" ]; then
+	psql_sql -U "$user" -d postgres -c "CREATE DATABASE diff_fuzz OWNER idem_owner" || exit 1
+	psql_sql -U idem_owner -d diff_fuzz -f "$script" || exit 1
+	"$bindir/psql" -X -q -v ON_ERROR_STOP=1 -h "$work" -p "$c_port" -U "$user" -d postgres \
+		-c "CREATE DATABASE diff_fuzz" || exit 1
+	"$bindir/psql" -X -q -v ON_ERROR_STOP=1 -h "$work" -p "$c_port" -U "$user" -d diff_fuzz \
+		-c "CREATE EXTENSION idempotency" || exit 1
+	echo "-- differential fuzz (test/fuzz/diff_editions.py)"
+	DIFF_C_DSN="host=$work port=$c_port dbname=diff_fuzz user=$user" \
+		DIFF_SQL_DSN="host=$work port=$sql_port dbname=diff_fuzz user=$user" \
+		/usr/bin/python3 test/fuzz/diff_editions.py || status=1
+fi
 
 exit $status
