@@ -2,7 +2,8 @@
 #
 #   make test   install what is missing, build, install, and run every suite
 #               (pg_regress, isolation, TAP) against temporary instances
-#   make demo   a tour of the extension on a throwaway cluster
+#   make demo   a tour of the extension on a throwaway cluster (installs only
+#               the server, its client and development packages, and a compiler)
 #   make bench  the benchmarks, side by side with plain SQL (not a test)
 #   make test-matrix  make test on Debian bookworm, trixie and sid (PostgreSQL
 #               15, 17, 18), each in a chroot of its own (scripts/matrix.sh)
@@ -22,6 +23,7 @@ OBJS = \
 	src/infra/claim_wait.o \
 	src/infra/guc.o \
 	src/infra/run_as.o \
+	src/infra/subxact.o \
 	src/infra/shmem.o \
 	src/direct/guard.o \
 	src/direct/outbox_ack.o \
@@ -43,7 +45,7 @@ OBJS = \
 	src/bgw/purge.o \
 	src/bgw/worker.o \
 	src/bgw/worker_xact.o
-DATA = idempotency--1.0.sql idempotency--1.0--1.1.sql
+DATA = idempotency--1.0.sql idempotency--1.0--1.1.sql idempotency--1.1--1.2.sql
 PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 
 # Warnings are errors.  -Wextra's unused-parameter fires on the server's own
@@ -62,7 +64,7 @@ REGRESS = setup keys_claim keys_claim_scan keys_complete keys_lease keys_extend_
 
 # pg_isolation_regress: specs/*.spec, expected output under expected/
 ISOLATION = claim_concurrent claim_rollback claim_lease claim_isolation_levels claim_result_times claim_wait claim_wait_lease \
-	events_concurrent events_batch_concurrent outbox_order outbox_relays outbox_per_key
+	events_concurrent events_batch_concurrent outbox_order outbox_relays outbox_per_key outbox_fences
 
 # TAP: t/*.pl, each starting its own PostgreSQL::Test::Cluster
 TAP_TESTS = 1
@@ -135,7 +137,7 @@ check-tap:
 # t/citus/*.pl: a coordinator and two workers, when the citus extension is
 # installed in this server (it is not among Debian's packages: see
 # doc/integrations/citus.md); without it, one line says the suite did not run
-CITUS_INSTALLED = $(wildcard $(shell $(PG_CONFIG) --sharedir)/extension/citus.control)
+CITUS_INSTALLED = $(wildcard $(shell $(PG_CONFIG) --sharedir 2>/dev/null)/extension/citus.control)
 check-citus: PROVE_TESTS = t/citus/*.pl
 check-citus:
 ifneq ($(CITUS_INSTALLED),)
@@ -218,6 +220,15 @@ check-fuzz:
 .PHONY: check-sanitize
 check-sanitize:
 	PG_CONFIG=$(PG_CONFIG) scripts/check-sanitize.sh
+
+# The README's quick start, its commands as written there, as root in a
+# fresh copy of a minimal Debian 12 without init (debootstrap
+# --variant=minbase, made once and cached): the install must start no
+# service and leave nothing running (scripts/check-quickstart.sh;
+# QUICKSTART_SUITES picks make test's suites there)
+.PHONY: check-quickstart
+check-quickstart:
+	scripts/check-quickstart.sh
 
 # Every ```sql block of README.md and doc/**/*.md, run in order in a fresh
 # database per file against a temporary instance that preloads the library;

@@ -120,6 +120,8 @@ fsync = on
 synchronous_commit = on
 max_connections = 100
 max_wal_size = 4GB
+# the waiters' part parks claims for the whole of a pgbench run
+idempotency.max_wait = '10min'
 """ + os.environ.get("BENCH_EXTRA_CONF", "").replace(";", "\n") + "\n" + extra_conf)
         self.run([f"{PGBIN}/pg_ctl", "-D", f"{self.dir}/data", "-l",
                   f"{self.dir}/server.log", "-w", "start"], quiet=True)

@@ -142,14 +142,24 @@ test('a missing, empty or over-long key answers 400 (problem+json); 255 bytes ar
   assertProblem(await post(app, { body: { sku, qty: 1 } }), 400);
   assertProblem(await post(app, { key: '', body: { sku, qty: 1 } }), 400);
   assertProblem(await post(app, { key: 'k'.repeat(256), body: { sku, qty: 1 } }), 400);
-  assertProblem(await post(app, { key: 'é'.repeat(128), body: { sku, qty: 1 } }), 400);
+  // a header's bytes: the key's UTF-8, one latin1 character a byte
+  const utf8 = (text) => Buffer.from(text).toString('latin1');
+  assertProblem(await post(app, { key: utf8('é'.repeat(128)), body: { sku, qty: 1 } }), 400);
+  assertProblem(await post(app, { key: '\xe9t\xe9', body: { sku, qty: 1 } }), 400); // latin1, not UTF-8
   assert.equal(await rows(sku), 0);
   assert.equal((await post(app, { key: `${randomUUID()}`.padEnd(255, 'k'), body: { sku, qty: 1 } })).status, 201);
+  // 255 bytes of UTF-8, 127 characters: a key, the one a replay finds
+  const wide = `${randomUUID().slice(0, 9)}${'é'.repeat(123)}`;
+  const created = await post(app, { key: utf8(wide), body: { sku, qty: 1 } });
+  assert.equal(created.status, 201);
+  assertReplayOf(await post(app, { key: utf8(wide), body: { sku, qty: 1 } }), created);
+  const { rows: [stored] } = await pool.query('SELECT octet_length(key) AS n FROM idempotency.keys WHERE key = $1', [wide]);
+  assert.equal(stored.n, 255);
   // a structured-field string is the key within its quotes
   const key = randomUUID();
   const first = await post(app, { key: `"${key}"`, body: { sku, qty: 1 } });
   assertReplayOf(await post(app, { key, body: { sku, qty: 1 } }), first);
-  assert.equal(await rows(sku), 2);
+  assert.equal(await rows(sku), 3);
 });
 
 test('a 503 is not replayed: the retry runs the request', async () => {

@@ -243,7 +243,7 @@ def pgtle_script(version, ext_script, control, chain):
     control and refuses its own quoting delimiters in it; the script is
     passed dollar-quoted with a delimiter it must not contain either.
     Later versions add pgtle.install_update_path calls, one per SQL-edition
-    update script, once the edition has them (1.1 is its first version)."""
+    update script, once the edition has them (it has none yet)."""
     for bad in PGTLE_FORBIDDEN + (PGTLE_QUOTE,):
         if bad in ext_script:
             fail(f"the extension script holds {bad}, which the pg_tle file cannot quote")

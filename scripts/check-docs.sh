@@ -194,7 +194,9 @@ if [ "${1:-}" = --with-server ]; then
 			status=1
 			echo "   (database $db kept, with what the blocks before it did)"
 		else
-			echo "ok: $doc ($ran sql blocks run, $skipped not run)"
+			blocks="$ran sql blocks"
+			[ "$ran" -eq 1 ] && blocks="1 sql block"
+			echo "ok: $doc ($blocks run, $skipped not run)"
 			admin -c "DROP DATABASE $db WITH (FORCE)" || exit 1
 		fi
 	done

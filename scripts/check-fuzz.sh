@@ -70,7 +70,13 @@ if [ "${1:-}" = --with-server ]; then
 	status=0
 
 	echo "== argument fuzzer (test/fuzz/fuzz_args.py)"
-	FUZZ_SERVER_LOG=$log nice -n 10 /usr/bin/python3 test/fuzz/fuzz_args.py || status=1
+	# one "ok:" or "FAILED:" line per fuzzer: make test's summary counts them
+	if FUZZ_SERVER_LOG=$log nice -n 10 /usr/bin/python3 test/fuzz/fuzz_args.py; then
+		echo "ok: argument fuzzer"
+	else
+		echo "FAILED: argument fuzzer"
+		status=1
+	fi
 
 	echo
 	echo "== sqlsmith"
@@ -189,7 +195,9 @@ if [ "${1:-}" = --with-server ]; then
 	fi
 	if [ "$findings" -eq 0 ]; then
 		echo "sqlsmith: no crash"
+		echo "ok: sqlsmith"
 	else
+		echo "FAILED: sqlsmith"
 		status=1
 	fi
 	exit $status

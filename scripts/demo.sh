@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 . scripts/common.sh
-scripts/deps.sh
+scripts/deps.sh demo
 use_server
 
 echo "== building and installing the extension"
@@ -104,6 +104,8 @@ psql_demo <<'SQL'
 SELECT outcome, attempt FROM idempotency.idem_claim('alice:POST /payments', 'key-3');
 SELECT idempotency.idem_complete('alice:POST /payments', 'key-3', 503, 'upstream unavailable');
 SELECT outcome, attempt FROM idempotency.idem_claim('alice:POST /payments', 'key-3');
+\echo '-- this time the request succeeds, and its answer is stored:'
+SELECT idempotency.idem_complete('alice:POST /payments', 'key-3', 201, '{"id": 3}');
 SQL
 
 section "two transactions: a crashed client's lease runs out and a retry takes over"
@@ -146,10 +148,13 @@ SQL
 section "a relay pulls them: one row per key at a time, in order; ack publishes, nack retries later"
 psql_demo <<'SQL'
 SELECT id, key, payload, attempts FROM idempotency.idem_outbox_fetch('orders', 10);
-SELECT idempotency.idem_outbox_ack(ARRAY[2]) AS acknowledged;
-SELECT idempotency.idem_outbox_nack(4, 'broker timeout') AS nacked;
+\echo '-- ack and nack name the attempt each row was fetched with (the fence): a relay whose'
+\echo '-- lease ran out, and whose rows another relay fetched again, changes nothing'
+SELECT idempotency.idem_outbox_ack(ARRAY[2], ARRAY[1]) AS acknowledged;
+SELECT idempotency.idem_outbox_nack(4, 'broker timeout', 1) AS nacked;
 \echo '-- order 7 moves on to its next event; order 8 waits for its backoff:'
 SELECT id, key, payload, attempts FROM idempotency.idem_outbox_fetch('orders', 10);
+SELECT idempotency.idem_outbox_ack(ARRAY[3], ARRAY[1]) AS acknowledged;
 SELECT id, key, state, attempts, last_error, available_at > now() AS backing_off
 FROM idempotency.outbox ORDER BY id;
 SQL
@@ -182,6 +187,8 @@ SQL
 
 section "idempotency.stats"
 psql_demo <<'SQL'
+\echo '-- every key was completed: none is left in progress (keys_in_progress 0); the outbox'
+\echo '-- holds order 8''s event, waiting for its retry after the broker timeout (outbox_pending 1)'
 \x on
 SELECT * FROM idempotency.stats;
 SQL

@@ -29,7 +29,20 @@
 #               summary says so when it is not; doc/testing.md)
 #
 # Every suite runs even when an earlier one fails; the summary at the end
-# lists each, and the exit status is non-zero if any failed.  SUITES picks a
+# lists each with its counts, then the totals alone on a line, "N passed,
+# M failed, K skipped" (CI reads that line), and the exit status is non-zero
+# if any failed.  What is counted, per suite:
+#   installcheck, regress, isolation, sql-edition, pgtle: pg_regress's tests and isolation
+#               specs (a file of sql/ or specs/ each), from their summaries
+#   tap, citus  test files (t/*.pl, t/citus/*.pl), from prove's summary; a
+#               file that skips itself (a tool missing) is skipped, and a
+#               suite that does not run counts its files as skipped
+#   examples    runs of a client or example: each, directly and through
+#               pgbouncer (its "ok:" or "FAILED:" line)
+#   fuzz        fuzzers: the argument fuzzer and sqlsmith
+#   docs        documents: README.md and each doc/**/*.md
+#   any other   the suite itself, as one
+# A suite that fails without reaching its summary counts one failure.  SUITES picks a
 # subset, e.g. SUITES="regress isolation" make test; KEEP_WORKDIR=1 keeps
 # the tree the suites ran in, with their results, for a look afterwards.
 # SUITES may also name "regress" and "isolation": the same two suites, each
@@ -53,38 +66,99 @@ python3 scripts/include-graph.py --quiet || exit 1
 work=$(runner_tmpdir test)
 if [ -n "${KEEP_WORKDIR:-}" ]; then
 	echo "(keeping the test tree: $work)"
-else
-	trap 'rm -rf "$work"' EXIT
 fi
+trap '[ -n "${KEEP_WORKDIR:-}" ] || rm -rf "$work"' EXIT
 tar --exclude=./.git --exclude='./tmp_check*' --exclude=./results --exclude=./output_iso \
 	--exclude=node_modules --exclude=./dist \
 	-cf - . | tar -C "$work" -xf -
 [ "$(id -u)" -eq 0 ] && chown -R "$RUN_AS" "$work"
 
+# count_suite SUITE LOG STATUS: sets passed, failed and skipped from the
+# suite's output (see the top of this file)
+count_suite() {
+	local suite=$1 log=$2 status=$3 files
+	passed=0 failed=0 skipped=0
+	case $suite in
+	installcheck | regress | isolation | sql-edition | pgtle)
+		# "All 17 tests passed.", "2 of 17 tests failed." (15: with a
+		# leading space; 16 and later: after "# ")
+		read -r passed failed < <(awk '
+			match($0, /All [0-9]+ tests passed/) { split(substr($0, RSTART), w, " "); p += w[2] }
+			match($0, /[0-9]+ of [0-9]+ tests failed/) { split(substr($0, RSTART), w, " "); f += w[1]; p += w[3] - w[1] }
+			END { print p + 0, f + 0 }' "$log")
+		;;
+	tap | citus)
+		# "Files=15, Tests=312, ..." and, under "Test Summary Report", a
+		# line per failed file: "t/003_x.pl   (Wstat: 512 (exited 2) ...)"
+		files=$(sed -n 's/^Files=\([0-9]*\),.*/\1/p' "$log" | tail -n 1)
+		failed=$(grep -Ec '^t/[^ ]*\.pl +\(Wstat: ' "$log")
+		skipped=$(grep -Ec '^t/[^ ]*\.pl \.* ?skipped' "$log")
+		passed=$((${files:-0} - failed - skipped))
+		[ "$passed" -ge 0 ] || passed=0
+		;;
+	examples)
+		passed=$(grep -Ec '^ok: (clients|examples)/' "$log")
+		failed=$(grep -Ec '^FAILED: (clients|examples)/' "$log")
+		;;
+	fuzz)
+		passed=$(grep -Ec '^ok: (argument fuzzer|sqlsmith)$' "$log")
+		failed=$(grep -Ec '^FAILED: (argument fuzzer|sqlsmith)$' "$log")
+		;;
+	docs)
+		passed=$(grep -Ec '^ok: [^ ]+\.md ' "$log")
+		failed=$(grep -Ec '^FAILED: [^ ]+\.md' "$log")
+		;;
+	*)
+		# a suite without counts of its own counts as one
+		[ "$status" -eq 0 ] && passed=1
+		;;
+	esac
+	# failed without saying what: one failure
+	if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
+		failed=1
+	fi
+	return 0
+}
+
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"; [ -n "${KEEP_WORKDIR:-}" ] || rm -rf "$work"' EXIT
 summary=()
 status=0
+total_passed=0 total_failed=0 total_skipped=0
 for suite in ${SUITES:-installcheck tap citus examples fuzz docs sql-edition pgtle}; do
 	echo
 	echo "== $suite"
 	# the Citus suite needs Citus in the server tree, which Debian does not ship
 	if [ "$suite" = citus ] &&
 		[ ! -e "$("$PG_CONFIG" --sharedir)/extension/citus.control" ]; then
-		summary+=("citus suite: not run (citus is not installed in this server)")
+		skipped=$(ls t/citus/*.pl | wc -l)
+		total_skipped=$((total_skipped + skipped))
+		summary+=("citus: not run, $skipped test files skipped: Citus is not installed in this server (Debian does not package it; doc/integrations/citus.md says how to get it)")
 		echo "${summary[-1]}"
 		continue
 	fi
 	# nor pg_tle
 	if [ "$suite" = pgtle ] &&
 		[ ! -e "$("$PG_CONFIG" --sharedir)/extension/pg_tle.control" ]; then
-		summary+=("pgtle suite: not run (pg_tle is not installed in this server: see doc/testing.md)")
+		total_skipped=$((total_skipped + 1))
+		summary+=("pgtle: not run, 1 suite skipped: pg_tle is not installed in this server (Debian does not package it; doc/testing.md says how to get it)")
 		echo "${summary[-1]}"
 		continue
 	fi
-	if as_runner make -C "$work" --no-print-directory PG_CONFIG="$PG_CONFIG" "check-$suite"; then
-		summary+=("$suite: passed")
+	as_runner make -C "$work" --no-print-directory PG_CONFIG="$PG_CONFIG" "check-$suite" 2>&1 |
+		tee "$logs/$suite"
+	suite_status=${PIPESTATUS[0]}
+	count_suite "$suite" "$logs/$suite" "$suite_status"
+	total_passed=$((total_passed + passed))
+	total_failed=$((total_failed + failed))
+	total_skipped=$((total_skipped + skipped))
+	counts="$passed passed, $failed failed"
+	[ "$skipped" -gt 0 ] && counts+=", $skipped skipped"
+	if [ "$suite_status" -eq 0 ]; then
+		summary+=("$suite: passed ($counts)")
 	else
 		status=1
-		summary+=("$suite: FAILED")
+		summary+=("$suite: FAILED ($counts)")
 		for diffs in "$work/regression.diffs" "$work/output_iso/regression.diffs"; do
 			[ -s "$diffs" ] && { echo "-- $diffs"; cat "$diffs"; }
 		done
@@ -100,4 +174,5 @@ done
 echo
 echo "== summary"
 printf '%s\n' "${summary[@]}"
+echo "$total_passed passed, $total_failed failed, $total_skipped skipped"
 exit $status

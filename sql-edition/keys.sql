@@ -84,6 +84,14 @@ BEGIN
 					  DETAIL = format('The value given was "%s".', p_wait),
 					  HINT = 'Give 0 or NULL to answer in_progress at once.';
 		END IF;
+		IF now_ts + p_wait > now_ts + idempotency._duration_setting('idempotency.max_wait', 'ms', 60000, 0) THEN
+			RAISE EXCEPTION 'wait must not exceed idempotency.max_wait (%)',
+				idempotency._setting_text(extract(epoch FROM
+					idempotency._duration_setting('idempotency.max_wait', 'ms', 60000, 0))::bigint * 1000, 'ms')
+				USING ERRCODE = 'invalid_parameter_value',
+					  DETAIL = format('The value given was "%s".', p_wait),
+					  HINT = 'A waiting claim holds its connection: wait less and let the client retry, or raise the setting.';
+		END IF;
 		IF now_ts + p_wait > now_ts THEN
 			deadline := now_ts + p_wait;
 		END IF;
@@ -322,6 +330,15 @@ BEGIN
 		released := $3 IN (408, 425, 429) OR $3 BETWEEN 500 AND 599;
 	ELSE
 		released := idempotency._status_is_released($3);
+	END IF;
+	/* a body to store must fit idempotency.max_response_bytes */
+	IF NOT released AND octet_length($4) > idempotency._bytes_setting('idempotency.max_response_bytes', 1048576, 1073741823) THEN
+		RAISE EXCEPTION 'response body is too large to store'
+			USING ERRCODE = 'program_limit_exceeded',
+				  DETAIL = format('It is %s bytes long; the limit, idempotency.max_response_bytes, is %s.',
+								  octet_length($4),
+								  idempotency._setting_text(idempotency._bytes_setting('idempotency.max_response_bytes', 1048576, 1073741823), 'B')),
+				  HINT = 'Release the key with idem_release and answer without storing, or raise the setting.';
 	END IF;
 	/*
 	 * The common case first: valid arguments, a writable transaction, the

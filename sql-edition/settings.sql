@@ -16,12 +16,14 @@
 
 /*
  * A duration setting as an interval: name's value in base_unit ('ms' or
- * 's'), the C edition's default when unset, within 1 .. 2147483647 units.
+ * 's'), the C edition's default when unset, within min_units (1 unless
+ * given) .. 2147483647 units.
  * Accepts what PostgreSQL accepts for an integer setting with a unit: a
  * number, fractions included (rounded to the base unit as rint() rounds),
  * with an optional unit among us, ms, s, min, h, d.
  */
-CREATE FUNCTION idempotency._duration_setting(name text, base_unit text, default_units bigint)
+CREATE FUNCTION idempotency._duration_setting(name text, base_unit text, default_units bigint,
+											   min_units bigint DEFAULT 1)
 RETURNS interval
 LANGUAGE plpgsql STABLE PARALLEL SAFE
 AS $$
@@ -54,9 +56,9 @@ BEGIN
 				USING ERRCODE = 'invalid_parameter_value',
 					  HINT = 'Value exceeds integer range.';
 		END IF;
-		IF units < 1 THEN
-			RAISE EXCEPTION '% % is outside the valid range for parameter "%" (1 .. 2147483647)',
-				units::bigint, base_unit, name
+		IF units < min_units THEN
+			RAISE EXCEPTION '% % is outside the valid range for parameter "%" (% .. 2147483647)',
+				units::bigint, base_unit, name, min_units
 				USING ERRCODE = 'invalid_parameter_value';
 		END IF;
 	END IF;
@@ -231,6 +233,68 @@ BEGIN ATOMIC
 	FROM (SELECT pg_catalog.div(s.t, 4294967296) * 4294967296 + row_xmin::text::bigint AS f, s.t
 		  FROM (SELECT pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())::text::numeric AS t) AS s) AS x;
 END;
+
+/*
+ * A setting's value as SHOW prints it in the C edition, for the messages
+ * that quote it: an amount in base units written with the largest unit that
+ * divides it exactly (as the server's GUC code does), units being ms, s,
+ * min, h, d for durations (base 'ms') and B, kB, MB, GB, TB for sizes
+ * (base 'B').
+ */
+CREATE FUNCTION idempotency._setting_text(amount bigint, base_unit text)
+RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+	SELECT CASE WHEN amount = 0 THEN '0' ELSE coalesce(
+		(SELECT (amount / u.factor)::text || u.unit
+		 FROM (VALUES ('ms', 1::bigint, 'd', 86400000::bigint), ('ms', 1, 'h', 3600000),
+					  ('ms', 1, 'min', 60000), ('ms', 1, 's', 1000), ('ms', 1, 'ms', 1),
+					  ('B', 1, 'TB', 1099511627776), ('B', 1, 'GB', 1073741824),
+					  ('B', 1, 'MB', 1048576), ('B', 1, 'kB', 1024), ('B', 1, 'B', 1))
+			  AS u(base, one, unit, factor)
+		 WHERE u.base = base_unit AND amount % u.factor = 0
+		 ORDER BY u.factor DESC LIMIT 1),
+		amount::text) END
+$$;
+
+/*
+ * A size setting in bytes (the C edition's GUC_UNIT_BYTE): name's value, its
+ * default when unset, within 1 .. max_bytes.  Accepts what PostgreSQL accepts
+ * for a memory setting: a number with an optional unit among B, kB, MB, GB
+ * and TB (multiples of 1024).
+ */
+CREATE FUNCTION idempotency._bytes_setting(name text, default_bytes bigint, max_bytes bigint)
+RETURNS bigint
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+AS $$
+DECLARE
+	value text := current_setting(name, true);
+	parts text[];
+	amount double precision;
+	scale constant jsonb := '{"B": 1, "kB": 1024, "MB": 1048576, "GB": 1073741824, "TB": 1099511627776}';
+BEGIN
+	IF value IS NULL OR value = '' THEN
+		RETURN default_bytes;
+	END IF;
+	parts := regexp_match(value, '^\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$');
+	IF parts IS NULL THEN
+		RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, value
+			USING ERRCODE = 'invalid_parameter_value';
+	END IF;
+	IF parts[2] <> '' AND NOT scale ? parts[2] THEN
+		RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, value
+			USING ERRCODE = 'invalid_parameter_value',
+				  HINT = 'Valid units for this parameter are "B", "kB", "MB", "GB", and "TB".';
+	END IF;
+	amount := round(parts[1]::double precision * coalesce((scale ->> nullif(parts[2], ''))::double precision, 1));
+	IF amount NOT BETWEEN 1 AND max_bytes THEN
+		RAISE EXCEPTION '% B is outside the valid range for parameter "%" (1 .. %)',
+			amount::bigint, name, max_bytes
+			USING ERRCODE = 'invalid_parameter_value';
+	END IF;
+	RETURN amount::bigint;
+END
+$$;
 
 /*
  * An integer setting without a unit: name's value, default_value when unset,

@@ -65,7 +65,40 @@ SELECT idem_complete('c', 'status', 100, 'continue');
 SELECT idem_complete('c', 'status', 599);
 \echo :SQLSTATE
 
--- A 10 MB body round-trips byte for byte (it is TOASTed on the way).
+-- A body to store over idempotency.max_response_bytes (1MB by default) is
+-- refused with 54000, and nothing is written: the key stays in progress.
+SHOW idempotency.max_response_bytes;
+SELECT outcome FROM idem_claim('c', 'too-big');
+SELECT idem_complete('c', 'too-big', 200, repeat('x', 1024 * 1024 + 1));
+\echo :SQLSTATE
+SELECT status_code IS NULL AS still_in_progress, body IS NULL AS no_body
+FROM keys WHERE scope = 'c' AND key = 'too-big';
+-- exactly the limit is stored; the bytes are counted, not the characters
+SELECT idem_complete('c', 'too-big', 200, repeat('é', 512 * 1024 + 1));
+\echo :SQLSTATE
+SELECT idem_complete('c', 'too-big', 200, repeat('x', 1024 * 1024));
+SELECT outcome, octet_length(body) AS body_bytes FROM idem_claim('c', 'too-big');
+-- a body read from a table, compressed there, is counted uncompressed
+CREATE TEMP TABLE big_bodies AS SELECT repeat('x', 2 * 1024 * 1024) AS body;
+SELECT outcome FROM idem_claim('c', 'too-big-toasted');
+SELECT idem_complete('c', 'too-big-toasted', 200, body) FROM big_bodies;
+\echo :SQLSTATE
+SELECT status_code IS NULL AS still_in_progress FROM keys WHERE scope = 'c' AND key = 'too-big-toasted';
+-- a released answer is not stored, so its body is not counted
+SELECT idem_complete('c', 'too-big-toasted', 503, body) FROM big_bodies;
+SELECT count(*) FROM keys WHERE scope = 'c' AND key = 'too-big-toasted';
+DROP TABLE big_bodies;
+-- the application's role cannot raise the limit itself
+CREATE ROLE regress_idem_body;
+SET ROLE regress_idem_body;
+SET idempotency.max_response_bytes = '1GB';
+\echo :SQLSTATE
+RESET ROLE;
+DROP ROLE regress_idem_body;
+
+-- A 10 MB body round-trips byte for byte (it is TOASTed on the way), once
+-- a superuser raised the limit.
+SET idempotency.max_response_bytes = '16MB';
 SELECT outcome FROM idem_claim('c', 'big');
 SELECT idem_complete('c', 'big', 200, repeat('0123456789abcdef', 655360));
 SELECT outcome, length(body) AS body_bytes, md5(body) = md5(repeat('0123456789abcdef', 655360)) AS same_body

@@ -15,6 +15,32 @@ SELECT idem_claim('w', 'new', wait => '1 day -25 hours');
 \echo :SQLSTATE
 SELECT count(*) FROM keys WHERE scope = 'w' AND key = 'new';
 
+-- wait must not exceed idempotency.max_wait (a minute by default): 22023
+-- through the function and the direct scan, and nothing is written.  The
+-- setting itself is accepted.
+SHOW idempotency.max_wait;
+SELECT idem_claim('w', 'new', wait => '61 seconds');
+\echo :SQLSTATE
+SELECT outcome FROM idem_claim('w', 'new', wait => '1 day');
+\echo :SQLSTATE
+SELECT count(*) FROM keys WHERE scope = 'w' AND key = 'new';
+SELECT outcome FROM idem_claim('w', 'max-wait', wait => '1 minute');
+-- 0 refuses every wait but 0 and NULL
+SET idempotency.max_wait = 0;
+SELECT idem_claim('w', 'new', wait => '1 ms');
+\echo :SQLSTATE
+SELECT outcome FROM idem_claim('w', 'max-wait', wait => '0');
+RESET idempotency.max_wait;
+-- the application's role cannot raise it: only a superuser, or a role
+-- granted SET on it, can
+CREATE ROLE regress_idem_wait;
+SET ROLE regress_idem_wait;
+SET idempotency.max_wait = '1h';
+\echo :SQLSTATE
+RESET ROLE;
+DROP ROLE regress_idem_wait;
+SHOW idempotency.max_wait;
+
 -- The other arguments are checked as before, with or without a wait.
 SELECT idem_claim('w', NULL, wait => '1 second');
 \echo :SQLSTATE

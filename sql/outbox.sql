@@ -63,11 +63,12 @@ SELECT id = :id AS fetched_again, attempts FROM idem_outbox_fetch('leases', 10, 
 -- idempotency.outbox_backoff_min (1 s by default); the row keeps holding
 -- back its key meanwhile.  A nack of a row that is not leased is false.
 SELECT idem_outbox_enqueue('leases', '{"n": 2}', 'k') AS later_id \gset
+SELECT clock_timestamp() AS before_nack \gset
 SELECT idem_outbox_nack(:id, 'broker unavailable') AS nacked;
 SELECT idem_outbox_nack(:id, 'again') AS nack_when_not_leased;
 SELECT idem_outbox_nack(999, 'unknown') AS nack_unknown;
 SELECT state, attempts, last_error,
-       available_at - now() >= interval '1 second' - (clock_timestamp() - now()) AS waits_at_least_min
+       available_at >= :'before_nack'::timestamptz + interval '1 second' AS waits_at_least_min
 FROM outbox WHERE id = :id;
 SELECT count(*) AS ready_during_backoff FROM idem_outbox_fetch('leases', 10);
 
@@ -109,10 +110,11 @@ SELECT count(*) AS fetched_after_expiry FROM idem_outbox_fetch('expiry', 1);
 SELECT state, attempts, last_error FROM outbox WHERE id = :expiry_id;
 RESET idempotency.outbox_max_attempts;
 
--- Requeue brings a dead row back with its attempts reset; discard drops
+-- Requeue brings a dead row back with its failures reset (its attempts,
+-- the hand-outs, stay); discard drops
 -- one.  Both are false for a row that is not dead.
 SELECT idem_outbox_requeue(:id) AS requeued, idem_outbox_requeue(:id) AS requeued_twice;
-SELECT state, attempts FROM outbox WHERE id = :id;
+SELECT state, attempts, failures FROM outbox WHERE id = :id;
 SELECT id = :id AS head_is_back FROM idem_outbox_fetch('leases', 10);
 SELECT idem_outbox_discard(:later_id) AS discard_not_dead;
 SELECT idem_outbox_discard(:expiry_id) AS discarded, idem_outbox_discard(:expiry_id) AS discarded_twice;

@@ -124,7 +124,7 @@ SELECT idem_outbox_ack(ARRAY[(:'k_ids'::bigint[])[42]]) AS later_alone;
 SELECT idem_outbox_ack(ARRAY[(:'k_ids'::bigint[])[42], (:'k_ids'::bigint[])[1]]) AS both_named;
 
 -- A nack of a row of a hand-out puts the later rows of that hand-out back
--- to pending at once, their hand-out not counted as an attempt; the nacked
+-- to pending at once, their hand-out not counted as a failure; the nacked
 -- row backs off, holding its key.  The earlier rows stay leased.
 TRUNCATE outbox;
 SELECT array_agg(id) AS g_ids FROM idem_outbox_enqueue_batch('nacks',
@@ -144,6 +144,43 @@ SELECT array_agg(attempts ORDER BY id) AS attempts FROM idem_outbox_fetch('nacks
 SELECT idem_outbox_nack((:'g_ids'::bigint[])[2], 'again') AS nacked_unfenced;
 SELECT array_agg(state ORDER BY id) AS states, array_agg(attempts ORDER BY id) AS attempts
 FROM outbox WHERE topic = 'nacks';
+
+-- Fences are never handed out twice (1.2): attempts counts the hand-outs
+-- and never goes back, failures the failed tries, which the backoff and
+-- outbox_max_attempts are decided on.  A nack's put-back counts the
+-- hand-out of the later rows, not a failure: their next hand-out carries a
+-- new fence, and the nacking relay's fence for them acts on nothing.
+TRUNCATE outbox;
+SELECT array_agg(id) AS p_ids FROM idem_outbox_enqueue_batch('putback',
+	array_fill('{}'::jsonb, ARRAY[2]), ARRAY['p', 'p']) AS e(id) \gset
+SELECT array_agg(attempts ORDER BY id) AS first_handout FROM idem_outbox_fetch('putback', 10, '1 hour', 2);
+SELECT idem_outbox_nack((:'p_ids'::bigint[])[1], 'broker down', 1) AS nacked;
+SELECT array_agg(state || ':' || attempts || ':' || failures ORDER BY id) AS rows
+FROM outbox WHERE topic = 'putback';
+UPDATE outbox SET available_at = now() WHERE topic = 'putback';
+SELECT array_agg(attempts ORDER BY id) AS second_handout FROM idem_outbox_fetch('putback', 10, '1 hour', 2);
+SELECT idem_outbox_ack(ARRAY[(:'p_ids'::bigint[])[2]], ARRAY[1]) AS stale_ack,
+       idem_outbox_nack((:'p_ids'::bigint[])[2], 'stale', 1) AS stale_nack;
+SELECT idem_outbox_ack(:'p_ids'::bigint[], ARRAY[2, 2]) AS new_holder_ack;
+
+-- A lease that runs out is a failed try: counted, and the next hand-out
+-- has a new fence.  A requeue resets the failures, not the attempts: the
+-- hand-out after it carries a fence that none before it did.
+SET idempotency.outbox_max_attempts = 2;
+SELECT idem_outbox_enqueue('requeued', '{}', 'r') AS r_id \gset
+SELECT attempts AS first FROM idem_outbox_fetch('requeued', 1, '1 hour');
+UPDATE outbox SET available_at = now() - interval '1 second' WHERE id = :r_id;
+SELECT attempts AS second FROM idem_outbox_fetch('requeued', 1, '1 hour');
+SELECT idem_outbox_nack(:r_id, 'rejected', 1) AS stale_nack, idem_outbox_nack(:r_id, 'rejected', 2) AS nacked;
+SELECT state, attempts, failures, last_error FROM outbox WHERE id = :r_id;
+SELECT idem_outbox_requeue(:r_id) AS requeued;
+SELECT state, attempts, failures FROM outbox WHERE id = :r_id;
+SELECT attempts AS after_requeue FROM idem_outbox_fetch('requeued', 1, '1 hour');
+SELECT idem_outbox_ack(ARRAY[:r_id]::bigint[], ARRAY[1]) AS ack_first_handout,
+       idem_outbox_ack(ARRAY[:r_id]::bigint[], ARRAY[2]) AS ack_second_handout,
+       idem_outbox_nack(:r_id, 'stale', 2) AS nack_second_handout;
+SELECT idem_outbox_ack(ARRAY[:r_id]::bigint[], ARRAY[3]) AS ack_after_requeue;
+RESET idempotency.outbox_max_attempts;
 
 -- A relation of another kind under the name of an index the check reads (a
 -- superuser's doing): the check is made in SQL, with the same answers.

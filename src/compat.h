@@ -12,6 +12,7 @@
 #include "access/genam.h"
 #include "access/tableam.h"
 #include "utils/guc.h"
+#include "utils/relcache.h"
 
 #if PG_VERSION_NUM < 150000
 #error "idempotency needs PostgreSQL 15 or later"
@@ -43,6 +44,18 @@ typedef bool CompatUpdateIndexes;
 #else
 #define compat_index_beginscan(heap, index, snapshot, nkeys, norderbys) \
 	index_beginscan((heap), (index), (snapshot), (nkeys), (norderbys))
+#endif
+
+/*
+ * A table's primary key index, computed from the catalogs if the relcache
+ * entry does not hold it (a rebuilt entry does not, until its index list is
+ * asked for): read rd_pkindex only through this.  From 18 the caller says
+ * whether a deferrable key will do; ours take any, and check it themselves.
+ */
+#if PG_VERSION_NUM >= 180000
+#define compat_primary_key_index(rel) RelationGetPrimaryKeyIndex((rel), true)
+#else
+#define compat_primary_key_index(rel) RelationGetPrimaryKeyIndex(rel)
 #endif
 
 /*

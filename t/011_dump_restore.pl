@@ -90,7 +90,7 @@ $node->command_ok(
 restored_works('plain', 'psql');
 
 # The extension's own scripts are not guarded: a 1.0 database updates to
-# 1.1 with the guard active, and the update's constraint is in place.
+# 1.2 with the guard active (1.1's constraint, 1.2's column).
 $node->safe_psql('postgres', 'CREATE DATABASE old');
 $node->safe_psql('old', "CREATE EXTENSION idempotency VERSION '1.0'");
 $node->command_ok(
@@ -100,8 +100,10 @@ $node->command_ok(
 is($node->safe_psql('old', q{
 		SELECT extversion || ' ' || (SELECT count(*) FROM pg_constraint
 		                            WHERE conname = 'outbox_routes_destination_check')
+		       || ' ' || (SELECT count(*) FROM pg_attribute
+		                  WHERE attrelid = 'idempotency.outbox'::regclass AND attname = 'failures')
 		FROM pg_extension WHERE extname = 'idempotency'}),
-	'1.1 1', '... to 1.1, with its constraint');
+	'1.2 1 1', '... to 1.2, with its constraint and column');
 
 $node->stop;
 done_testing();

@@ -1,4 +1,5 @@
-# The update from 1.0 to 1.1, as an operator runs it: the new library is
+# The update from 1.0 to 1.1 (ALTER EXTENSION ... UPDATE TO '1.1'; the
+# update on to 1.2 is t/018_upgrade_1_2.pl's), as an operator runs it: the new library is
 # installed and preloaded (so the DDL guard is active), a database still at
 # 1.0 keeps working with it (7-column claim results, no idem_extend_lease),
 # then ALTER EXTENSION idempotency UPDATE brings it to 1.1 without changing
@@ -132,7 +133,7 @@ is($node->safe_psql('old', q{
 # would not restore), naming it and changing nothing; set, it runs.
 my ($ret, $stdout, $stderr) = $node->psql('old', q{
 	\set VERBOSITY verbose
-	ALTER EXTENSION idempotency UPDATE});
+	ALTER EXTENSION idempotency UPDATE TO '1.1'});
 like($stderr, qr/ERROR:  55000: idempotency cannot be updated while a route has no destination\n.*topics 'legacy'/s,
 	'the update refuses a route without a destination, and names it');
 is($node->safe_psql('old', q{
@@ -154,7 +155,7 @@ my $rows = q{
 my $before = $node->safe_psql('old', $rows);
 
 $node->command_ok(
-	[ 'psql', '-X', '-q', '-v', 'ON_ERROR_STOP=1', '-c', 'ALTER EXTENSION idempotency UPDATE',
+	[ 'psql', '-X', '-q', '-v', 'ON_ERROR_STOP=1', '-c', "ALTER EXTENSION idempotency UPDATE TO '1.1'",
 		'-d', $node->connstr('old') ],
 	'ALTER EXTENSION idempotency UPDATE, with the DDL guard active');
 is($node->safe_psql('old',
@@ -300,7 +301,7 @@ my $objects = q{
 		  AND d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idempotency')
 	) objects};
 $node->safe_psql('postgres', 'CREATE DATABASE fresh');
-$node->safe_psql('fresh', 'CREATE EXTENSION idempotency');
+$node->safe_psql('fresh', "CREATE EXTENSION idempotency VERSION '1.1'");
 is($node->safe_psql('old', $objects), $node->safe_psql('fresh', $objects),
 	'the updated database has the objects of a fresh 1.1 install');
 like($node->safe_psql('fresh', $objects), qr/idem_extend_lease/, '... which the query lists');
@@ -311,7 +312,19 @@ my $dump = $node->basedir . '/old.dump';
 $node->command_ok([ 'pg_dump', '-Fc', '-f', $dump, '-d', $node->connstr('old') ],
 	'pg_dump of the updated database');
 $node->safe_psql('postgres', 'CREATE DATABASE restored');
-$node->command_ok([ 'pg_restore', '--exit-on-error', '-d', $node->connstr('restored'), $dump ],
+# pg_dump's CREATE EXTENSION IF NOT EXISTS names no version: the restore
+# would create the default one (1.2, t/018_upgrade_1_2.pl), so the dump's
+# version, 1.1, is created first, and the restore leaves out the schema and
+# the extension
+$node->safe_psql('restored', "CREATE EXTENSION idempotency VERSION '1.1'");
+my $list = $node->basedir . '/old.list';
+$node->command_ok([ 'pg_restore', '-l', '-f', $list, $dump ], 'the dump\'s table of contents');
+my $contents = slurp_file($list);
+$contents =~ s/^(\d+; \d+ \d+ (?:SCHEMA - idempotency|EXTENSION - idempotency) )/;$1/mg;
+open(my $fh, '>', $list) or die "could not write $list: $!";
+print $fh $contents;
+close($fh);
+$node->command_ok([ 'pg_restore', '--exit-on-error', '-L', $list, '-d', $node->connstr('restored'), $dump ],
 	'pg_restore into a new database, with the DDL guard active');
 is($node->safe_psql('restored', $rows), $after, 'every row is back');
 is($node->safe_psql('restored',

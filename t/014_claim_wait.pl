@@ -53,16 +53,16 @@ $node->safe_psql('postgres', qq{
 	AS \$\$ SELECT $body_sql \$\$;
 
 	-- what an application does per request, in one transaction, waiting
-	-- up to two minutes for a request in flight with the same key
+	-- up to a minute (idempotency.max_wait) for a request in flight with the same key
 	CREATE FUNCTION handle_request(k text, direct boolean) RETURNS void
 	LANGUAGE plpgsql AS \$\$
 	DECLARE
 		c idempotency.claim_result;
 	BEGIN
 		IF direct THEN
-			SELECT * INTO c FROM idempotency.idem_claim('wait', k, wait => '2 min');
+			SELECT * INTO c FROM idempotency.idem_claim('wait', k, wait => '1 min');
 		ELSE
-			c := idempotency.idem_claim('wait', k, wait => '2 min');
+			c := idempotency.idem_claim('wait', k, wait => '1 min');
 		END IF;
 		INSERT INTO outcomes VALUES (k, c.outcome, c.status_code, md5(c.body), c.headers, direct);
 		IF c.outcome = 'claimed' THEN

@@ -45,7 +45,7 @@ export interface Options<Request = any> {
   storeHeaders?: string[];
   /** The largest request body the Express middleware reads itself, in bytes; default 1 MiB */
   limit?: number;
-  /** Where a response that could not be stored is reported; default process.emitWarning */
+  /** Where an answer not stored, a key not released or a hijacked reply is reported; default process.emitWarning */
   log?: (message: string) => void;
 }
 
@@ -55,8 +55,11 @@ export function express(options: Options): (req: any, res: any, next: (error?: u
 /** For express.json({ verify: keepRawBody }): keeps the body's bytes for the fingerprint */
 export function keepRawBody(req: any, res: any, buf: Buffer): void;
 
-/** The Fastify 5 plugin: fastify.register(fastify, options) */
-export function fastify(instance: import('fastify').FastifyInstance, options: Options): Promise<void>;
+/**
+ * The Fastify 5 plugin: fastify.register(fastify, options). The instance
+ * is typed loosely so that an app without Fastify needs no Fastify types.
+ */
+export function fastify(instance: any, options: Options): Promise<void>;
 
 export interface ConsumerOptions<Message> {
   pool: Pool;
@@ -95,6 +98,7 @@ declare module 'fastify' {
     idempotency: IdempotencyContext | null;
   }
   interface FastifyContextConfig {
-    idempotency?: Partial<Omit<Options, 'pool'>>;
+    /** This route's options, or false: the plugin leaves the route alone */
+    idempotency?: Partial<Omit<Options, 'pool'>> | false;
   }
 }

@@ -13,18 +13,10 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-for tool in node npm; do
-	command -v "$tool" >/dev/null || {
-		echo "$tool is missing: apt-get install nodejs npm (make test does it as root)" >&2
-		exit 1
-	}
-done
-
+. ../../examples/lib.sh
 # The dev dependencies pinned by package-lock.json (Express, Fastify, pg,
 # TypeScript), into ./node_modules; the npm cache goes to the scratch folder.
-export npm_config_cache=${npm_config_cache:-${EXAMPLE_TMP:-${TMPDIR:-/tmp}}/npm-cache}
-export npm_config_update_notifier=false
-npm ci --no-audit --no-fund --loglevel=error
+need_node
 
 node --test test/*.test.js
 node_modules/.bin/tsc -p test

@@ -11,25 +11,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-PY=/usr/bin/python3 # Debian's, with the python3-* packages below
-missing=()
-for need in psycopg:python3-psycopg psycopg_pool:python3-psycopg-pool \
+. ../../examples/lib.sh
+need_python psycopg:python3-psycopg psycopg_pool:python3-psycopg-pool \
 	starlette:python3-starlette uvicorn:python3-uvicorn flask:python3-flask \
 	django:python3-django pytest:python3-pytest venv:python3-venv \
-	ensurepip:python3-venv setuptools:python3-setuptools wheel:python3-wheel; do
-	$PY -c "import ${need%%:*}" 2>/dev/null || missing+=("${need#*:}")
-done
-# Django 3.2 (bookworm) runs on psycopg2; 4.2 and later on psycopg 3
-$PY -c 'import django, sys; sys.exit(django.VERSION < (4, 2))' 2>/dev/null ||
-	$PY -c 'import psycopg2' 2>/dev/null || missing+=(python3-psycopg2)
-if [ ${#missing[@]} -gt 0 ]; then
-	echo "missing Debian packages: ${missing[*]} (scripts/deps.sh installs them as root)" >&2
-	exit 1
-fi
+	ensurepip:python3-venv setuptools:python3-setuptools wheel:python3-wheel
 
 tmp=${EXAMPLE_TMP:-$(mktemp -d)}
 mkdir -p "$tmp"
-export PYTHONDONTWRITEBYTECODE=1
 PYTHONPATH="$PWD:$PWD/tests" $PY -m pytest -q -p no:cacheprovider tests
 
 # The install README.md gives, from a copy (the build writes next to the

@@ -17,6 +17,9 @@ const port = Number(process.argv[2]);
 const hooks = process.env.IDEM_TEST_HOOKS === '1';
 const withMiddleware = process.env.IDEM_MIDDLEWARE !== 'off';
 const pool = new pg.Pool({ max: 20 });
+// an idle client whose connection is lost (a server restart) reports it
+// here; without a listener, node-postgres's error would end the process
+pool.on('error', (error) => console.error(`idle database client lost: ${error.message}`));
 
 const app = express();
 app.use(express.json({ verify: idempotency.keepRawBody }));

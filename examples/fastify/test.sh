@@ -9,18 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-for tool in node npm; do
-	command -v "$tool" >/dev/null || {
-		echo "$tool is missing: apt-get install nodejs npm (make test does it as root)" >&2
-		exit 1
-	}
-done
-
+. ../lib.sh
 # The packages pinned by package-lock.json, into ./node_modules (and the
 # package's own, clients/node, linked); the npm cache goes to the scratch
 # folder, so this works as any user.
-export npm_config_cache=${npm_config_cache:-${EXAMPLE_TMP:-${TMPDIR:-/tmp}}/npm-cache}
-export npm_config_update_notifier=false
-npm ci --no-audit --no-fund --loglevel=error
+need_node
 
 SERVE=./serve node --test ../orders.test.js

@@ -10,22 +10,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-PY=/usr/bin/python3 # Debian's, with the python3-* packages below
-missing=()
-for need in flask:python3-flask gunicorn:python3-gunicorn psycopg:python3-psycopg psycopg_pool:python3-psycopg-pool pytest:python3-pytest; do
-	$PY -c "import ${need%%:*}" 2>/dev/null || missing+=("${need#*:}")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-	echo "missing Debian packages: ${missing[*]} (scripts/deps.sh installs them as root)" >&2
-	exit 1
-fi
-
-export EXAMPLE_DIR=$PWD EXAMPLE_TMP=${EXAMPLE_TMP:-$(mktemp -d)} PYTHONDONTWRITEBYTECODE=1
-mkdir -p "$EXAMPLE_TMP"
-status=0
-$PY -m pytest -q -p no:cacheprovider --durations=3 ../orders_test.py || status=$?
-if [ $status -ne 0 ]; then
-	echo "-- $EXAMPLE_TMP/serve.log (last 40 lines)"
-	tail -n 40 "$EXAMPLE_TMP/serve.log"
-fi
-exit $status
+. ../lib.sh
+need_python flask:python3-flask gunicorn:python3-gunicorn psycopg:python3-psycopg psycopg_pool:python3-psycopg-pool pytest:python3-pytest
+run_orders_test

@@ -43,6 +43,7 @@
  */
 #include "postgres.h"
 
+#include "access/detoast.h"
 #include "access/htup_details.h"
 #include "access/xact.h"
 #include "catalog/pg_type.h"
@@ -51,6 +52,7 @@
 #include "miscadmin.h"
 #include "storage/lmgr.h"
 #include "utils/builtins.h"
+#include "utils/guc.h"
 #include "utils/jsonb.h"
 #include "utils/timestamp.h"
 #include "utils/typcache.h"
@@ -689,6 +691,25 @@ complete_row(KeyRow *row, void *arg)
 }
 
 /*
+ * A body to store must fit idempotency.max_response_bytes.  Measured before
+ * it is detoasted, so that a body too large is refused without being read
+ * whole; refused before anything is written.
+ */
+static void
+check_body_size(Datum body)
+{
+	Size		size = toast_raw_datum_size(body) - VARHDRSZ;
+
+	if (size > (Size) idem_max_response_bytes)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("response body is too large to store"),
+				 errdetail("It is %zu bytes long; the limit, idempotency.max_response_bytes, is %s.",
+						   size, GetConfigOptionByName("idempotency.max_response_bytes", NULL, false)),
+				 errhint("Release the key with idem_release and answer without storing, or raise the setting.")));
+}
+
+/*
  * idem_complete(scope, key, status_code, body, headers, attempt) -> text
  *
  * Final answers (those not in idempotency.release_statuses) are stored and
@@ -710,9 +731,12 @@ idem_complete(PG_FUNCTION_ARGS)
 				 errmsg("status_code %d is not an HTTP status code",
 						completion.status_code),
 				 errdetail("HTTP status codes are between 100 and 599.")));
+	completion.released = idem_status_is_released(completion.status_code);
+	/* a released answer is not stored: its body is not counted */
+	if (!completion.released && !PG_ARGISNULL(3))
+		check_body_size(PG_GETARG_DATUM(3));
 	completion.body = idem_arg_text_or_null(fcinfo, 3);
 	completion.headers = PG_ARGISNULL(4) ? NULL : PG_GETARG_JSONB_P(4);
-	completion.released = idem_status_is_released(completion.status_code);
 
 	change_claim("idem_complete()", fcinfo, 5, complete_row, &completion);
 	if (completion.released)

@@ -254,6 +254,8 @@ make_pending_row(Datum *values, bool *nulls, text *topic, text *key, Datum paylo
 	values[Anum_outbox_available_at - 1] = TimestampTzGetDatum(now);
 	nulls[Anum_outbox_last_error - 1] = true;
 	nulls[Anum_outbox_published_at - 1] = true;
+	/* from 1.2 on; a table still at 1.1 takes the columns before it */
+	values[Anum_outbox_failures - 1] = Int32GetDatum(0);
 	return id;
 }
 
@@ -322,7 +324,9 @@ array_argument(FunctionCallInfo fcinfo, int argno, const char *name, Oid element
 	if (expected >= 0 && *count != expected)
 		ereport(ERROR,
 				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
-				 errmsg("%s has %d elements, not %d", name, *count, expected),
+				 errmsg_plural("%s has %d element, not %d",
+							   "%s has %d elements, not %d",
+							   *count, name, *count, expected),
 				 errdetail("Each array gives one value per row: they must be equally long.")));
 }
 
@@ -958,8 +962,9 @@ put_outbox_rows(ReturnSetInfo *rsinfo, uint64 count)
  * The batch is filled with the ready heads of the topic's keys first,
  * oldest first; then, with per_key above 1, what room is left goes to the
  * rows that follow each head in its key, head by head.  Every row handed
- * out is leased to this caller with one more attempt; the rows come back in
- * id order.
+ * out is leased to this caller with one more attempt (a hand-out, which no
+ * earlier one of the row's shares: the fence); the rows come back in id
+ * order.
  */
 Datum
 idem_outbox_fetch(PG_FUNCTION_ARGS)
@@ -1057,14 +1062,170 @@ acknowledge(Datum ids, Datum attempts, bool fenced)
 	return acknowledge_on(InvalidOid, ids, attempts, fenced);
 }
 
-/* acknowledge, on the table or on one of its shards */
+/* Two text datums, byte for byte (the columns are COLLATE "C") */
+static bool
+same_text(Datum a, Datum b)
+{
+	text	   *x = DatumGetTextPP(a);
+	text	   *y = DatumGetTextPP(b);
+
+	return VARSIZE_ANY_EXHDR(x) == VARSIZE_ANY_EXHDR(y) &&
+		memcmp(VARDATA_ANY(x), VARDATA_ANY(y), VARSIZE_ANY_EXHDR(x)) == 0;
+}
+
+/*
+ * The answer of the order check made in SQL (STMT_ACK_CHECK, whose nrows
+ * rows are in SPI_tuptable: id, topic, key, by topic, key and id), as
+ * outbox_ack_unblocked gives it: the ids let through, and each key's chain.
+ */
+static ArrayType *
+checked_in_sql(uint64 nrows, AckChains *chains)
+{
+	SPITupleTable *rows = SPI_tuptable;
+	Datum	   *ids = palloc(sizeof(Datum) * Max(nrows, 1));
+	uint64		first = 0;
+
+	chains->nids = 0;
+	chains->ids = palloc(sizeof(int64) * Max(nrows, 1));
+	chains->starts = palloc(sizeof(bool) * Max(nrows, 1));
+	for (uint64 i = 0; i < nrows; i++)
+	{
+		bool		isnull;
+
+		ids[i] = SPI_getbinval(rows->vals[i], rows->tupdesc, ACK_CHECK_ID, &isnull);
+	}
+	while (first < nrows)
+	{
+		bool		topic_null;
+		bool		key_null;
+		Datum		topic = SPI_getbinval(rows->vals[first], rows->tupdesc, ACK_CHECK_TOPIC,
+										  &topic_null);
+		Datum		key = SPI_getbinval(rows->vals[first], rows->tupdesc, ACK_CHECK_KEY,
+										&key_null);
+		uint64		last = first;
+
+		while (!key_null && last + 1 < nrows)
+		{
+			bool		next_null;
+			Datum		next_topic = SPI_getbinval(rows->vals[last + 1], rows->tupdesc,
+												   ACK_CHECK_TOPIC, &next_null);
+			Datum		next_key = SPI_getbinval(rows->vals[last + 1], rows->tupdesc,
+												 ACK_CHECK_KEY, &next_null);
+
+			if (next_null || !same_text(next_topic, topic) || !same_text(next_key, key))
+				break;
+			last++;
+		}
+		for (uint64 i = first; last > first && i <= last; i++)
+		{
+			chains->starts[chains->nids] = i == first;
+			chains->ids[chains->nids++] = DatumGetInt64(ids[i]);
+		}
+		first = last + 1;
+	}
+	return construct_array(ids, (int) nrows, INT8OID, sizeof(int64), FLOAT8PASSBYVAL,
+						   TYPALIGN_DOUBLE);
+}
+
+/* Is id among the first column of the n rows of table? */
+static bool
+among_rows(int64 id, SPITupleTable *table, uint64 n)
+{
+	for (uint64 i = 0; i < n; i++)
+	{
+		bool		isnull;
+
+		if (DatumGetInt64(SPI_getbinval(table->vals[i], table->tupdesc, 1, &isnull)) == id)
+			return true;
+	}
+	return false;
+}
+
+/*
+ * Hold the rows of the chains that come before another of their key (each
+ * chain's rows but its last), locked until the transaction ends, and
+ * return unblocked less each chain's rows from the first that is no longer
+ * taken on; values and nulls are the ack's, values[3] set here.  Under READ
+ * COMMITTED the lock reads a row changed since the snapshot as it is now:
+ * whatever another relay did to a row meanwhile, the rows of its key after
+ * it are then not acknowledged, where the write alone would have
+ * acknowledged them behind it.  Under REPEATABLE READ, the lock of such a
+ * row fails with 40001.
+ */
+static ArrayType *
+hold_chains(ArrayType *unblocked, const AckChains *chains, bool fenced, Datum *values,
+			const char *nulls, Snapshot snapshot)
+{
+	Datum	   *hold = palloc(sizeof(Datum) * chains->nids);
+	int			nhold = 0;
+	uint64		nheld;
+	SPITupleTable *held;
+	Datum	   *kept_ids;
+	bool	   *kept_nulls;
+	int			nkept;
+	int64	   *dropped = palloc(sizeof(int64) * chains->nids);
+	int			ndropped = 0;
+	int			out = 0;
+
+	for (int i = 0; i < chains->nids; i++)
+		if (i + 1 < chains->nids && !chains->starts[i + 1])
+			hold[nhold++] = Int64GetDatum(chains->ids[i]);
+	values[3] = PointerGetDatum(construct_array(hold, nhold, INT8OID, sizeof(int64),
+												FLOAT8PASSBYVAL, TYPALIGN_DOUBLE));
+	nheld = outbox_sql_run_snapshot(fenced ? STMT_ACK_FENCED_HOLD : STMT_ACK_HOLD,
+									values, nulls, snapshot);
+	held = SPI_tuptable;
+
+	/* in each chain, the first row not held (its last is never) and those after it */
+	for (int first = 0, last; first < chains->nids; first = last + 1)
+	{
+		bool		gap = false;
+
+		last = first;
+		while (last + 1 < chains->nids && !chains->starts[last + 1])
+			last++;
+		for (int i = first; i <= last; i++)
+		{
+			if (!gap && i < last && !among_rows(chains->ids[i], held, nheld))
+				gap = true;
+			if (gap)
+				dropped[ndropped++] = chains->ids[i];
+		}
+	}
+	if (ndropped == 0)
+		return unblocked;
+
+	deconstruct_array(unblocked, INT8OID, sizeof(int64), FLOAT8PASSBYVAL, TYPALIGN_DOUBLE,
+					  &kept_ids, &kept_nulls, &nkept);
+	for (int i = 0; i < nkept; i++)
+	{
+		bool		drop = false;
+
+		for (int j = 0; j < ndropped && !drop; j++)
+			drop = DatumGetInt64(kept_ids[i]) == dropped[j];
+		if (!drop)
+			kept_ids[out++] = kept_ids[i];
+	}
+	return construct_array(kept_ids, out, INT8OID, sizeof(int64), FLOAT8PASSBYVAL,
+						   TYPALIGN_DOUBLE);
+}
+
+/*
+ * acknowledge, on the table or on one of its shards: the order check, read
+ * from the indexes (outbox_ack.c) or, where it cannot be, in SQL, under one
+ * snapshot; then the rows a later row of their key relies on are held
+ * (hold_chains); then the write, of the rows let through that are still
+ * taken.  A row another relay leased again (or a nack put back) while this
+ * ran is thus left, with the rows of its key after it, and the count says
+ * what was acknowledged: no 40001 under READ COMMITTED.
+ */
 static int32
 acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 {
 	Datum		values[4];
 	char		nulls[4] = {' ', ' ', ' ', ' '};
 	OutboxSqlContext context;
-	uint64		acknowledged = 0;
+	uint64		acknowledged;
 	bool		keep = idem_outbox_retention_s != 0;
 	Snapshot	snapshot;
 	ArrayType  *unblocked;
@@ -1074,19 +1235,17 @@ acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
 	values[2] = attempts;
 	nulls[2] = fenced ? ' ' : 'n';
+	values[3] = (Datum) 0;
+	nulls[3] = 'n';
 
 	if (!outbox_sql_begin_on(&context, shard))
 		return 0;
 
 	/*
-	 * The order check read from the indexes, and the write under the same
-	 * snapshot, as the one statement of the SQL check would have it; the
-	 * command counter advanced first, as SPI does before a statement, so that
-	 * both see what this transaction wrote so far.  On a shard of a
-	 * distributed outbox, whose indexes have the shard's names, the check is
-	 * the SQL one.  A row the check relied on that changed since the
-	 * snapshot (READ COMMITTED) may leave a gap in what the write took of a
-	 * key: that is refused as REPEATABLE READ refuses the change itself.
+	 * The check under one snapshot, the command counter advanced first, as
+	 * SPI does before a statement, so that it sees what this transaction
+	 * wrote so far.  On a shard of a distributed outbox, whose indexes have
+	 * the shard's names, the check is the SQL one.
 	 */
 	CommandCounterIncrement();
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());
@@ -1094,48 +1253,19 @@ acknowledge_on(Oid shard, Datum ids, Datum attempts, bool fenced)
 		outbox_ack_unblocked(DatumGetArrayTypeP(ids),
 							 fenced ? DatumGetArrayTypeP(attempts) : NULL,
 							 fenced, snapshot, &chains);
-	if (unblocked != NULL)
-	{
-		values[3] = PointerGetDatum(unblocked);
-		acknowledged = outbox_sql_run_snapshot(fenced ?
-											   (keep ? STMT_ACK_CHECKED_FENCED_KEEP : STMT_ACK_CHECKED_FENCED_DELETE) :
-											   (keep ? STMT_ACK_CHECKED_KEEP : STMT_ACK_CHECKED_DELETE),
-											   values, nulls, snapshot);
-		if (!outbox_ack_written_in_order(&chains, SPI_tuptable, acknowledged))
-			ereport(ERROR,
-					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-					 errmsg("could not serialize access due to concurrent update"),
-					 errdetail("A row named by the acknowledgement was leased again or nacked while it ran, and a later row of its key was not to be acknowledged before it."),
-					 errhint("Retry the acknowledgement.")));
-	}
-	else
-	{
-		/*
-		 * The SQL check relies on every row named: those still taken are
-		 * locked first, and then the check is made of them alone, unfenced
-		 * (each is under the hand-out named), under a snapshot taken after.
-		 */
-		uint64		nheld;
-		Datum	   *held;
-
-		values[3] = ids;
-		nheld = outbox_sql_run(fenced ? STMT_ACK_FENCED_HOLD : STMT_ACK_HOLD, values, nulls);
-		held = palloc(sizeof(Datum) * Max(nheld, 1));
-		for (uint64 i = 0; i < nheld; i++)
-		{
-			bool		isnull;
-
-			held[i] = SPI_getbinval(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1, &isnull);
-		}
-		values[0] = PointerGetDatum(construct_array(held, (int) nheld, INT8OID, sizeof(int64),
-													FLOAT8PASSBYVAL, TYPALIGN_DOUBLE));
-		nulls[2] = 'n';
-		UnregisterSnapshot(snapshot);
-		CommandCounterIncrement();
-		snapshot = RegisterSnapshot(GetTransactionSnapshot());
-		acknowledged = outbox_sql_run_snapshot(keep ? STMT_ACK_KEEP : STMT_ACK_DELETE,
-											   values, nulls, snapshot);
-	}
+	if (unblocked == NULL)
+		unblocked = checked_in_sql(outbox_sql_run_snapshot(fenced ? STMT_ACK_FENCED_CHECK :
+														   STMT_ACK_CHECK,
+														   values, nulls, snapshot),
+								   &chains);
+	nulls[3] = ' ';
+	if (chains.nids > 0)
+		unblocked = hold_chains(unblocked, &chains, fenced, values, nulls, snapshot);
+	values[3] = PointerGetDatum(unblocked);
+	acknowledged = outbox_sql_run_snapshot(fenced ?
+										   (keep ? STMT_ACK_CHECKED_FENCED_KEEP : STMT_ACK_CHECKED_FENCED_DELETE) :
+										   (keep ? STMT_ACK_CHECKED_KEEP : STMT_ACK_CHECKED_DELETE),
+										   values, nulls, snapshot);
 	UnregisterSnapshot(snapshot);
 	outbox_sql_end(&context);
 	return (int32) acknowledged;
@@ -1187,8 +1317,9 @@ idem_outbox_ack_fenced(PG_FUNCTION_ARGS)
 	if (nids != nattempts)
 		ereport(ERROR,
 				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
-				 errmsg("ids has %d elements and attempts %d", nids, nattempts),
-				 errdetail("attempts gives the attempt of each id, as fetched.")));
+				 errmsg("ids and attempts must be equally long"),
+				 errdetail("Their lengths are %d and %d; attempts gives the attempt of each id, as fetched.",
+						   nids, nattempts)));
 	/* array_position counts from the lower bound: both must start at 1 */
 	if (nids > 0 && (ARR_LBOUND(ids)[0] != 1 || ARR_LBOUND(attempts)[0] != 1))
 		ereport(ERROR,
@@ -1386,7 +1517,8 @@ idem_outbox_on_shard(PG_FUNCTION_ARGS)
 	if (attempts != NULL && nattempts != nids)
 		ereport(ERROR,
 				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
-				 errmsg("ids has %d elements and attempts %d", nids, nattempts)));
+				 errmsg("ids and attempts must be equally long"),
+				 errdetail("Their lengths are %d and %d.", nids, nattempts)));
 
 	idem_require_writable("idem_outbox_ack()");
 	shard = idem_table_shard_for(IDEM_TABLE_OUTBOX, topic, RowExclusiveLock,

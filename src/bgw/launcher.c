@@ -31,8 +31,9 @@
  *
  * Owns: the launcher's view of the databases, the start and restart of
  *	  workers.
- * May call: infra/ (settings, the registry in shared memory).  Starts
- *	  idem_worker_main (worker.c) by name, through the postmaster.
+ * May call: bgw/worker_xact.h (its transaction), infra/ (settings, the
+ *	  registry in shared memory).  Starts idem_worker_main (worker.c) by
+ *	  name, through the postmaster.
  *
  *-------------------------------------------------------------------------
  */
@@ -44,7 +45,6 @@
 #include "access/htup_details.h"
 #include "access/table.h"
 #include "access/tableam.h"
-#include "access/xact.h"
 #include "catalog/pg_database.h"
 #include "miscadmin.h"
 #include "pgstat.h"
@@ -54,11 +54,11 @@
 #include "tcop/tcopprot.h"
 #include "utils/guc.h"
 #include "utils/memutils.h"
-#include "utils/snapmgr.h"
 #include "utils/timestamp.h"
 #include "utils/varlena.h"
 
 #include "bgw/launcher.h"
+#include "bgw/worker_xact.h"
 #include "infra/guc.h"
 #include "infra/shmem.h"
 
@@ -146,27 +146,14 @@ known_database(Oid dboid)
 	return NULL;
 }
 
-/*
- * Look at pg_database: mark every database the launcher should serve as
- * present, adding those it did not know.  Template databases are never
- * served, since a worker connected to one would make CREATE DATABASE fail.
- */
-static void
-scan_databases(void)
+/* scan_databases's unit */
+static bool
+scan_databases_unit(void *arg)
 {
 	Relation	rel;
 	TableScanDesc scan;
 	HeapTuple	tuple;
-	ListCell   *lc;
 	List	   *present_oids = NIL;
-
-	foreach(lc, known_databases)
-		((KnownDatabase *) lfirst(lc))->present = false;
-
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	PushActiveSnapshot(GetTransactionSnapshot());
-	pgstat_report_activity(STATE_RUNNING, "looking for databases");
 
 	rel = table_open(DatabaseRelationId, AccessShareLock);
 	scan = table_beginscan_catalog(rel, 0, NULL);
@@ -201,10 +188,26 @@ scan_databases(void)
 
 	/* counters of databases that are gone, wherever they came from */
 	idem_launcher_free_slots_except(present_oids);
+	return true;				/* the commit frees present_oids with the rest */
+}
 
-	PopActiveSnapshot();
-	CommitTransactionCommand();	/* frees present_oids with the rest */
-	pgstat_report_activity(STATE_IDLE, NULL);
+/*
+ * Look at pg_database: mark every database the launcher should serve as
+ * present, adding those it did not know.  Template databases are never
+ * served, since a worker connected to one would make CREATE DATABASE fail.
+ * An ERROR ends the launcher, which the postmaster starts again
+ * (bgw_restart_time).
+ */
+static void
+scan_databases(void)
+{
+	ListCell   *lc;
+
+	foreach(lc, known_databases)
+		((KnownDatabase *) lfirst(lc))->present = false;
+	(void) worker_run_unit("looking for databases",
+						   WORKER_UNIT_SNAPSHOT | WORKER_UNIT_ERROR_EXITS,
+						   scan_databases_unit, NULL, NULL);
 }
 
 static void

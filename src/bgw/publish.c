@@ -29,7 +29,7 @@
  * Owns: the candidates, the route targets, the failed attempts' records.
  * May call: bgw/maintenance.h (the cursor), bgw/worker_xact.h, direct/
  *	  (the outbox's statements; whether Citus distributes it), infra/
- *	  (settings, counters, run_as).
+ *	  (settings, counters, run_as, subtransactions).
  *
  *-------------------------------------------------------------------------
  */
@@ -70,6 +70,7 @@
 #include "infra/guc.h"
 #include "infra/run_as.h"
 #include "infra/shmem.h"
+#include "infra/subxact.h"
 
 /* A NOTIFY payload must be shorter than 8000 bytes. */
 #define NOTIFY_PAYLOAD_LIMIT	7999
@@ -246,61 +247,39 @@ outbox_error_counts_against_row(const ErrorData *error)
 	return true;
 }
 
-/*
- * In the PG_CATCH of a subtransaction that tried to publish: copy the error
- * into context, undo the subtransaction, back in context and owner as the
- * subtransaction found them, and let the error through if it is not the
- * row's (see outbox_error_counts_against_row); otherwise return it.
- */
-static ErrorData *
-catch_row_error(MemoryContext context, ResourceOwner owner)
+/* try_publish's work, in its subtransaction */
+typedef struct RowPublication
 {
-	ErrorData  *error;
+	const Candidate *candidate;
+	bool		truncated;
+} RowPublication;
 
-	MemoryContextSwitchTo(context);
-	error = CopyErrorData();
-	FlushErrorState();
-	RollbackAndReleaseCurrentSubTransaction();
-	MemoryContextSwitchTo(context);
-	CurrentResourceOwner = owner;
+static void
+publish_row_work(void *arg)
+{
+	RowPublication *row = arg;
 
-	/* a cancel, a shutdown or no memory is not the row's fault: let it through */
-	if (!outbox_error_counts_against_row(error))
-		ReThrowError(error);
-	return error;
+	row->truncated = publish_one(row->candidate);
 }
 
 /*
  * Try to publish one row inside a subtransaction, so that a failure (an
- * ERROR in the user's function, most likely) undoes only this row's attempt.
- * Returns NULL on success, with *truncated set as publish_one says, or the
- * error message.
+ * ERROR in the user's function, most likely) undoes only this row's attempt;
+ * a cancel, a shutdown or no memory is not the row's fault, and goes
+ * through (see outbox_error_counts_against_row).  Returns NULL on success,
+ * with *truncated set as publish_one says, or the error message.
  */
 static char *
-try_publish(const Candidate *candidate, MemoryContext keep, bool *truncated)
+try_publish(const Candidate *candidate, bool *truncated)
 {
-	MemoryContext caller = CurrentMemoryContext;
-	ResourceOwner owner = CurrentResourceOwner;
-	char	   *volatile error = NULL;
+	RowPublication row = {candidate, false};
+	ErrorData  *error = idem_subxact_run(publish_row_work, &row, SUBXACT_RELEASE,
+										 outbox_error_counts_against_row);
 
-	*truncated = false;
-	BeginInternalSubTransaction(NULL);
-	MemoryContextSwitchTo(caller);
-	PG_TRY();
-	{
-		*truncated = publish_one(candidate);
-		ReleaseCurrentSubTransaction();
-	}
-	PG_CATCH();
-	{
-		ErrorData  *edata = catch_row_error(keep, owner);
-
-		error = edata->message != NULL ? edata->message : pstrdup("unknown error");
-	}
-	PG_END_TRY();
-	MemoryContextSwitchTo(caller);
-	CurrentResourceOwner = owner;
-	return error;
+	*truncated = row.truncated;
+	if (error == NULL)
+		return NULL;
+	return error->message != NULL ? error->message : pstrdup("unknown error");
 }
 
 /*
@@ -480,7 +459,7 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
 		if (started != NULL)
 			*started = true;
 		if (careful)
-			error = try_publish(candidate, list->context, &truncated[npublished]);
+			error = try_publish(candidate, &truncated[npublished]);
 		else
 		{
 			truncated[npublished] = publish_one(candidate);
@@ -842,33 +821,42 @@ publish_blame(MaintenanceCursor *cursor, const char *error,
 	return true;
 }
 
-/* publish_fast_then_carefully's batch, and the ways it goes after a failure */
-static void
-publish_one_batch_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts,
-							MemoryContext context, ResourceOwner owner)
+/* publish_fast_then_carefully's batch, in its subtransaction */
+typedef struct CarefulBatch
 {
+	MaintenanceCursor *cursor;
+	MaintenanceCounts *counts;
+} CarefulBatch;
+
+static void
+publish_batch_work(void *arg)
+{
+	CarefulBatch *batch = arg;
+
+	(void) publish_batch(batch->cursor, batch->counts);
+}
+
+/*
+ * publish_fast_then_carefully's batch, and the ways it goes after a failure;
+ * a cancel, a shutdown or no memory goes through.
+ */
+static void
+publish_one_batch_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts)
+{
+	CarefulBatch batch = {cursor, counts};
+
 	do
 	{
-		BeginInternalSubTransaction(NULL);
-		MemoryContextSwitchTo(context);
-		PG_TRY();
-		{
-			(void) publish_batch(cursor, counts);
-			ReleaseCurrentSubTransaction();
-			MemoryContextSwitchTo(context);
-			CurrentResourceOwner = owner;
-		}
-		PG_CATCH();
-		{
-			ErrorData  *error = catch_row_error(context, owner);
-			bool		blame;
+		ErrorData  *error = idem_subxact_run(publish_batch_work, &batch, SUBXACT_RELEASE,
+											 outbox_error_counts_against_row);
+		bool		blame;
 
-			(void) publish_failed(cursor, error, &blame);
-			if (blame)
-				(void) publish_blame(cursor, error->message, counts);
-			FreeErrorData(error);
-		}
-		PG_END_TRY();
+		if (error == NULL)
+			continue;
+		(void) publish_failed(cursor, error, &blame);
+		if (blame)
+			(void) publish_blame(cursor, error->message, counts);
+		FreeErrorData(error);
 	} while (cursor->publish_way != PUBLISH_FAST);
 }
 
@@ -886,8 +874,6 @@ publish_one_batch_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
 void
 publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts)
 {
-	MemoryContext context = CurrentMemoryContext;
-	ResourceOwner owner = CurrentResourceOwner;
 	int			turns = 1;
 
 	/* one batch of each of this node's shards of a distributed outbox */
@@ -898,7 +884,7 @@ publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
 		/* shard turn's batch, whether or not the one before had more */
 		cursor->outbox_part = turn;
 		cursor->publish_way = PUBLISH_FAST;
-		publish_one_batch_carefully(cursor, counts, context, owner);
+		publish_one_batch_carefully(cursor, counts);
 	}
 }
 
@@ -907,6 +893,24 @@ publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
  * The worker's publishing: each batch in a transaction of its own
  * ---------------------------------------------------------------------
  */
+
+/* A publishing unit of work, for worker_run_unit. */
+typedef struct PublishUnit
+{
+	MaintenanceCursor *cursor;
+	MaintenanceCounts counts;	/* the worker's are not kept */
+	const char *error;			/* blame_unit's */
+	bool		began;			/* batch_unit's: it got past the extension's lock */
+} PublishUnit;
+
+/* blame_row's unit */
+static bool
+blame_unit(void *arg)
+{
+	PublishUnit *publish = arg;
+
+	return publish_blame(publish->cursor, publish->error, &publish->counts);
+}
 
 /*
  * Record, in a transaction of its own, the failed attempt of the row whose
@@ -917,26 +921,20 @@ publish_fast_then_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
 static bool
 blame_row(MaintenanceCursor *cursor, const char *error)
 {
-	MaintenanceCounts counts;
-	volatile bool recorded = false;
+	PublishUnit publish = {.cursor = cursor, .error = error};
 
-	memset(&counts, 0, sizeof(counts));
-	worker_begin_unit(NULL);
-	PG_TRY();
-	{
-		worker_lock_extension();
-		recorded = publish_blame(cursor, error, &counts);
-		PopActiveSnapshot();
-		worker_count_own_xid();
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		worker_report_and_abort();
-		recorded = false;
-	}
-	PG_END_TRY();
-	return recorded;
+	return worker_run_unit(NULL, WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
+						   blame_unit, &publish, NULL);
+}
+
+/* run_publish_batch's unit */
+static bool
+batch_unit(void *arg)
+{
+	PublishUnit *publish = arg;
+
+	publish->began = true;
+	return publish_batch(publish->cursor, &publish->counts);
 }
 
 /*
@@ -952,40 +950,16 @@ blame_row(MaintenanceCursor *cursor, const char *error)
 static bool
 run_publish_batch(MaintenanceCursor *cursor)
 {
-	MemoryContext context = CurrentMemoryContext;
-	MaintenanceCounts counts;
-	ErrorData  *volatile error = NULL;
-	volatile bool more = false;
-	volatile bool batch_began = false;
+	PublishUnit publish = {.cursor = cursor};
+	ErrorData  *error;
+	bool		more;
 	bool		blame;
 
-	memset(&counts, 0, sizeof(counts));
-	worker_begin_unit(maintenance_unit_names[UNIT_PUBLISH]);
+	more = worker_run_unit(maintenance_unit_names[UNIT_PUBLISH],
+						   WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
+						   batch_unit, &publish, &error);
 
-	PG_TRY();
-	{
-		worker_lock_extension();
-		batch_began = true;
-		more = publish_batch(cursor, &counts);
-		PopActiveSnapshot();
-		worker_count_own_xid();
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		/* worker_report_and_abort, keeping the error (out of the transaction's memory) */
-		HOLD_INTERRUPTS();
-		worker_count_own_xid();
-		MemoryContextSwitchTo(context);
-		error = CopyErrorData();
-		EmitErrorReport();
-		AbortCurrentTransaction();
-		FlushErrorState();
-		RESUME_INTERRUPTS();
-	}
-	PG_END_TRY();
-
-	if (error != NULL && !batch_began)
+	if (error != NULL && !publish.began)
 	{
 		/*
 		 * No row was tried (the extension was dropped meanwhile, most
@@ -1006,7 +980,6 @@ run_publish_batch(MaintenanceCursor *cursor)
 	}
 
 	pgstat_report_stat(false);
-	pgstat_report_activity(STATE_IDLE, NULL);
 	return more;
 }
 

@@ -519,6 +519,32 @@ purge_prune(MaintenanceUnit unit, MaintenanceCursor *cursor, bool both)
  * ---------------------------------------------------------------------
  */
 
+/* The table each purge unit deletes from. */
+static const char *const purged_tables[NUM_MAINTENANCE_UNITS] = {
+	[UNIT_PURGE_KEYS] = "keys",
+	[UNIT_PURGE_EVENTS] = "processed_events",
+	[UNIT_PURGE_OUTBOX] = "outbox",
+};
+
+/* A purge's unit of work, for worker_run_unit. */
+typedef struct PurgeUnit
+{
+	MaintenanceUnit unit;
+	MaintenanceCursor *cursor;
+	MaintenanceCounts counts;	/* the worker's are not kept */
+	uint32		left;			/* prune_unit's */
+} PurgeUnit;
+
+/* run_batch's unit: prune the pages of the batch two before, then a batch */
+static bool
+batch_unit(void *arg)
+{
+	PurgeUnit  *purge = arg;
+
+	(void) purge_prune(purge->unit, purge->cursor, false);
+	return purge_batch(purge->unit, purge->cursor, &purge->counts);
+}
+
 /*
  * One batch of one kind of work, in a transaction of its own.  An ERROR is
  * reported and swallowed: the work is tried again next round.  Returns
@@ -528,8 +554,8 @@ purge_prune(MaintenanceUnit unit, MaintenanceCursor *cursor, bool both)
 static bool
 run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 {
-	MaintenanceCounts counts;
-	bool		more = false;
+	PurgeUnit	purge = {.unit = unit, .cursor = cursor};
+	bool		more;
 
 	/*
 	 * A purge batch lost in a crash is simply done again, so its commit
@@ -542,31 +568,23 @@ run_batch(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	if (unit != UNIT_PUBLISH)
 		SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
 
-	memset(&counts, 0, sizeof(counts));
-	worker_begin_unit(maintenance_unit_names[unit]);
-
-	PG_TRY();
-	{
-		worker_lock_extension();
-		(void) purge_prune(unit, cursor, false);
-		more = purge_batch(unit, cursor, &counts);
-		PopActiveSnapshot();
-		worker_count_own_xid();
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		worker_report_and_abort();
-		more = false;
-	}
-	PG_END_TRY();
+	more = worker_run_unit(maintenance_unit_names[unit],
+						   WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
+						   batch_unit, &purge, NULL);
 
 	if (unit != UNIT_PUBLISH)
 		SetConfigOption("synchronous_commit", "on", PGC_SUSET, PGC_S_OVERRIDE);
 
 	pgstat_report_stat(false);
-	pgstat_report_activity(STATE_IDLE, NULL);
 	return more;
+}
+
+/* vacuum_table's unit: the VACUUM, which ends and starts transactions itself */
+static bool
+vacuum_unit(void *stmt)
+{
+	ExecVacuum(make_parsestate(NULL), (VacuumStmt *) stmt, true);
+	return true;
 }
 
 /*
@@ -597,23 +615,34 @@ vacuum_table(const char *name)
 	stmt->is_vacuumcmd = true;
 	MemoryContextSwitchTo(old);
 
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	pgstat_report_activity(STATE_RUNNING, "vacuuming after a purge");
 	PortalContext = vacuum_context;
-	PG_TRY();
-	{
-		ExecVacuum(make_parsestate(NULL), stmt, true);
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		worker_report_and_abort();
-	}
-	PG_END_TRY();
+	(void) worker_run_unit("vacuuming after a purge", 0, vacuum_unit, stmt, NULL);
 	PortalContext = NULL;
 	MemoryContextReset(vacuum_context);
-	pgstat_report_activity(STATE_IDLE, NULL);
+}
+
+/* purged_most_of's unit */
+static bool
+purged_most_of_unit(void *arg)
+{
+	PurgeUnit  *purge = arg;
+	uint64		purged = purge->cursor->purged_in_pass[purge->unit];
+	Relation	rel = table_openrv_extended(makeRangeVar("idempotency",
+														 (char *) purged_tables[purge->unit], -1),
+											AccessShareLock, true);
+	bool		large;
+
+	/* reltuples is -1 for a table never vacuumed nor analyzed */
+	/*
+	 * A distributed table's purged rows were in its shards, which autovacuum
+	 * vacuums: the table of that name here is a shell.
+	 */
+	large = rel != NULL &&
+		(rel->rd_rel->reltuples < 0 || purged > 1000 + 0.2 * rel->rd_rel->reltuples) &&
+		idem_citus_partmethod(RelationGetRelid(rel)) == '\0';
+	if (rel != NULL)
+		table_close(rel, AccessShareLock);
+	return large;
 }
 
 /*
@@ -621,39 +650,13 @@ vacuum_table(const char *name)
  * default rule: more than 1000 rows plus a fifth of the table.
  */
 static bool
-purged_most_of(const char *name, uint64 purged)
+purged_most_of(MaintenanceUnit unit, MaintenanceCursor *cursor)
 {
-	bool		large = false;
+	PurgeUnit	purge = {.unit = unit, .cursor = cursor};
 
-	if (purged <= 1000)
+	if (cursor->purged_in_pass[unit] <= 1000)
 		return false;
-
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	PG_TRY();
-	{
-		Relation	rel = table_openrv_extended(makeRangeVar("idempotency", (char *) name, -1),
-												AccessShareLock, true);
-
-		/* reltuples is -1 for a table never vacuumed nor analyzed */
-		/*
-		 * A distributed table's purged rows were in its shards, which
-		 * autovacuum vacuums: the table of that name here is a shell.
-		 */
-		large = rel != NULL &&
-			(rel->rd_rel->reltuples < 0 || purged > 1000 + 0.2 * rel->rd_rel->reltuples) &&
-			idem_citus_partmethod(RelationGetRelid(rel)) == '\0';
-		if (rel != NULL)
-			table_close(rel, AccessShareLock);
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		worker_report_and_abort();
-		large = false;
-	}
-	PG_END_TRY();
-	return large;
+	return worker_run_unit(NULL, 0, purged_most_of_unit, &purge, NULL);
 }
 
 /*
@@ -780,13 +783,6 @@ wait_for_older_snapshots(TransactionId xid, MaintenanceCursor *cursor)
 	}
 }
 
-/* The table each purge unit deletes from. */
-static const char *const purged_tables[NUM_MAINTENANCE_UNITS] = {
-	[UNIT_PURGE_KEYS] = "keys",
-	[UNIT_PURGE_EVENTS] = "processed_events",
-	[UNIT_PURGE_OUTBOX] = "outbox",
-};
-
 /*
  * Say at DEBUG1 how many pages a pass pruned and how many it left for the
  * next (what the tests wait for).
@@ -806,6 +802,16 @@ report_pruned(MaintenanceUnit unit, MaintenanceCursor *cursor, uint32 left)
 								 purged_tables[unit], left)));
 }
 
+/* prune_after_pass's unit */
+static bool
+prune_unit(void *arg)
+{
+	PurgeUnit  *purge = arg;
+
+	purge->left = purge_prune(purge->unit, purge->cursor, true);
+	return true;
+}
+
 /*
  * Prune the pages the last two batches of a purge deleted rows on (run_batch
  * prunes those of the batches before), and those an earlier prune could not
@@ -818,7 +824,7 @@ static void
 prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 {
 	IdemPurgedPages *last = &cursor->to_prune[unit][1];
-	volatile int64 left = -1;	/* unknown after an ERROR */
+	PurgeUnit	purge = {.unit = unit, .cursor = cursor};
 
 	if (last->span == 0 && cursor->to_prune[unit][0].span == 0 &&
 		cursor->unpruned[unit].span == 0)
@@ -830,22 +836,18 @@ prune_after_pass(MaintenanceUnit unit, MaintenanceCursor *cursor)
 	if (last->span > 0)
 		wait_for_older_snapshots(last->xid, cursor);
 	/* which rows are dead to all goes by the horizons of its snapshot */
-	worker_begin_unit(maintenance_unit_names[unit]);
-	PG_TRY();
-	{
-		worker_lock_extension();
-		left = purge_prune(unit, cursor, true);
-		PopActiveSnapshot();
-		CommitTransactionCommand();
-	}
-	PG_CATCH();
-	{
-		worker_report_and_abort();
-	}
-	PG_END_TRY();
-	pgstat_report_activity(STATE_IDLE, NULL);
-	if (left >= 0)
-		report_pruned(unit, cursor, (uint32) left);
+	if (worker_run_unit(maintenance_unit_names[unit],
+						WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
+						prune_unit, &purge, NULL))
+		report_pruned(unit, cursor, purge.left);	/* (not after an ERROR) */
+}
+
+/* A transaction ID taken, and committed: see vacuum_after_purge. */
+static bool
+take_xid_unit(void *arg)
+{
+	*(TransactionId *) arg = GetTopTransactionId();
+	return true;
 }
 
 /*
@@ -873,7 +875,7 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit,
 	static bool owed[NUM_MAINTENANCE_UNITS];
 	TransactionId burned;
 
-	if (purged_most_of(purged_tables[unit], cursor->purged_in_pass[unit]))
+	if (purged_most_of(unit, cursor))
 		owed[unit] = true;
 	if (!owed[unit] || busy_in_pass ||
 		(idem_purge_busy_share < 100 && others_write_over(100, cursor)))
@@ -882,10 +884,7 @@ vacuum_after_purge(MaintenanceCursor *cursor, MaintenanceUnit unit,
 	publish_if_woken(cursor);
 	vacuum_table(purged_tables[unit]);
 
-	StartTransactionCommand();
-	burned = GetTopTransactionId();
-	worker_count_own_xid();
-	CommitTransactionCommand();
+	(void) worker_run_unit(NULL, WORKER_UNIT_ERROR_EXITS, take_xid_unit, &burned, NULL);
 	wait_for_older_snapshots(burned, cursor);
 
 	publish_if_woken(cursor);

@@ -16,8 +16,8 @@
  * milliseconds; otherwise it sleeps idempotency.naptime.
  *
  * Owns: a worker's loop, its pinned settings and its slot in shared memory.
- * May call: bgw/ (the cursor, the purge, publishing), infra/ (settings,
- *	  shared memory).
+ * May call: bgw/ (the cursor, the purge, publishing, its transactions),
+ *	  infra/ (settings, shared memory).
  *
  *-------------------------------------------------------------------------
  */
@@ -25,7 +25,6 @@
 
 #include <signal.h>
 
-#include "access/xact.h"
 #include "commands/dbcommands.h"
 #include "commands/extension.h"
 #include "miscadmin.h"
@@ -38,12 +37,12 @@
 #include "tcop/tcopprot.h"
 #include "utils/guc.h"
 #include "utils/memutils.h"
-#include "utils/snapmgr.h"
 #include "utils/timestamp.h"
 
 #include "bgw/maintenance.h"
 #include "bgw/publish.h"
 #include "bgw/purge.h"
+#include "bgw/worker_xact.h"
 #include "infra/guc.h"
 #include "infra/shmem.h"
 
@@ -94,22 +93,25 @@ worker_error_context(void *arg)
 		errcontext("idempotency worker for database \"%s\"", my_database_name);
 }
 
-/* Is the extension (still) installed here?  Also learns the database's name. */
+/* extension_installed's unit */
 static bool
-extension_installed(void)
+extension_installed_unit(void *arg)
 {
-	bool		installed;
-
-	SetCurrentStatementStartTimestamp();
-	StartTransactionCommand();
-	PushActiveSnapshot(GetTransactionSnapshot());
 	if (my_database_name == NULL)
 		my_database_name = MemoryContextStrdup(TopMemoryContext,
 											   get_database_name(MyDatabaseId));
-	installed = OidIsValid(get_extension_oid("idempotency", true));
-	PopActiveSnapshot();
-	CommitTransactionCommand();
-	return installed;
+	return OidIsValid(get_extension_oid("idempotency", true));
+}
+
+/*
+ * Is the extension (still) installed here?  Also learns the database's
+ * name.  An ERROR ends the worker: the launcher starts it again.
+ */
+static bool
+extension_installed(void)
+{
+	return worker_run_unit(NULL, WORKER_UNIT_SNAPSHOT | WORKER_UNIT_ERROR_EXITS,
+						   extension_installed_unit, NULL, NULL);
 }
 
 void

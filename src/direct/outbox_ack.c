@@ -20,23 +20,16 @@
  * the walk would be long, each key is one descent of outbox_key_order
  * (key_blocker).
  *
- * The caller runs the write (outbox_sql.c's ACK_CHECKED_*) under the same
- * snapshot, which still tests each row's state and fence itself, so that
- * what this decides is only which rows are held back by their key.  That
- * answer relies on the taken rows that come before another row of their key
- * staying taken until the write: under READ COMMITTED the write tests the
- * latest version of each row it writes, but not of the rows that let it
- * through, so a relay that re-leased (or a nack that put back) the first of
- * a key's rows since the snapshot would see the second acknowledged behind
- * it.  So this also gives each key's taken rows that it lets through, oldest
- * first (AckChains), and the caller checks that the write took a prefix of
- * each (outbox_ack_written_in_order), as REPEATABLE READ's write would have
- * failed if one of them had changed.  Locking them before the write instead
- * would cost every acknowledgement a row lock (and its WAL record) for each
- * row of a key's hand-out but the last, for a race that is rare.  When the
- * indexes are not the ones this reads (a database at 1.0 whose predicates
- * name state, an index a user altered), it says so and the caller runs the
- * whole check in SQL instead.
+ * The caller holds and writes the rows let through (api/outbox.c's
+ * acknowledge_on, the same steps as after the check in SQL), so that what
+ * this decides is only which rows are held back by their key, as the
+ * snapshot sees them.  It also gives each key's taken rows that it lets
+ * through, oldest first (AckChains): the caller locks those that come
+ * before another, and leaves out of the write the rows after one that
+ * changed since the snapshot (another relay leased it again, or a nack put
+ * it back).  When the indexes are not the ones this reads (a database at
+ * 1.0 whose predicates name state, an index a user altered), it says so
+ * and the caller makes the whole check in SQL instead.
  *
  * Owns: the reading of outbox_id, outbox_ready and outbox_key_order for the
  *	  check, and what it needs of them (open_checked_index).
@@ -616,50 +609,4 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 	}
 	MemoryContextDelete(work);
 	return result;
-}
-
-static int
-compare_int64(const void *a, const void *b)
-{
-	int64		x = *(const int64 *) a;
-	int64		y = *(const int64 *) b;
-
-	return x < y ? -1 : x > y ? 1 : 0;
-}
-
-/*
- * Whether the write took a prefix of each chain: the written rows' ids are
- * the first column of written's nwritten rows.  If it left out a row of a
- * key (changed since the snapshot) and took a later one, it acknowledged
- * that one ahead of an earlier row of its key.
- */
-bool
-outbox_ack_written_in_order(const AckChains *chains, SPITupleTable *written, uint64 nwritten)
-{
-	int64	   *ids;
-	bool		in_order = true;
-	bool		gap = false;
-
-	if (chains->nids == 0)
-		return true;
-	ids = palloc(sizeof(int64) * Max(nwritten, 1));
-	for (uint64 i = 0; i < nwritten; i++)
-	{
-		bool		isnull;
-
-		ids[i] = DatumGetInt64(SPI_getbinval(written->vals[i], written->tupdesc, 1, &isnull));
-	}
-	qsort(ids, nwritten, sizeof(int64), compare_int64);
-	for (int i = 0; in_order && i < chains->nids; i++)
-	{
-		bool		taken = bsearch(&chains->ids[i], ids, nwritten, sizeof(int64),
-									compare_int64) != NULL;
-
-		if (chains->starts[i])
-			gap = false;
-		in_order = !(gap && taken);
-		gap = gap || !taken;
-	}
-	pfree(ids);
-	return in_order;
 }

@@ -15,7 +15,8 @@
 
 /*
  * Each key's taken rows that the order check lets through, oldest first,
- * for the keys with two or more: the write must take a prefix of each.
+ * for the keys with two or more: the write must take a prefix of each
+ * (see acknowledge_on in api/outbox.c).
  */
 typedef struct AckChains
 {
@@ -26,7 +27,5 @@ typedef struct AckChains
 
 extern ArrayType *outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced,
 									   Snapshot snapshot, AckChains *chains);
-extern bool outbox_ack_written_in_order(const AckChains *chains, SPITupleTable *written,
-										uint64 nwritten);
 
 #endif							/* IDEMPOTENCY_OUTBOX_ACK_H */

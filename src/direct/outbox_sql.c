@@ -17,6 +17,15 @@
  * SQL API (api/outbox.c), publishing (bgw/publish.c) and the purge
  * (bgw/purge.c).
  *
+ * One library serves databases at 1.1 and at 1.2 of the SQL objects, as
+ * the key functions serve 1.0 and 1.1 (api/keys.c): 1.2 added the
+ * failures column, and the statements that decide on failed tries read it
+ * there, where 1.1's read attempts (statements_1_1, below).  Which schema a
+ * database has is read from the outbox's columns each time a context is
+ * begun (a cached relcache entry: nothing to pay), and each schema's
+ * statements have plans of their own, so that a backend that lived through
+ * ALTER EXTENSION UPDATE runs 1.2's from its next call on.
+ *
  * Where Citus distributes the outbox, its rows are in shards, plain tables
  * on the node that holds them: the statements run on one shard at a time,
  * the same text with the shard's name for idempotency.outbox and this
@@ -159,9 +168,11 @@
  * meets no blocking row (NULL equals nothing).
  *
  * outbox_ack.c reads the same check from the indexes, a descent per key
- * rather than a rescan of this plan per key, and the ack then runs
- * ACK_CHECKED_WHERE under the snapshot it read with; these statements are
- * what runs where it cannot (indexes other than it expects, as at 1.0).
+ * rather than a rescan of this plan per key; this statement (ACK_CHECK) is
+ * what runs where it cannot (indexes other than it expects, as at 1.0, or
+ * a shard of a distributed outbox).  Either way the answer, read under one
+ * snapshot, goes through the same hold and write (ACK_CHECKED_WHERE: see
+ * acknowledge_on in api/outbox.c).
  */
 #define ACK_FENCE(alias) \
 	" AND " alias ".attempts = ($3)[array_position($1, " alias ".id)]"
@@ -193,28 +204,59 @@
 	"      WHERE b.topic = o.topic AND b.key = o.key AND b.id < o.id)"
 #define NO_FENCE(alias) ""
 /*
- * The rows of $4, the ids of $1 that outbox_ack.c found not held back by
- * their key, that are leased (and still under the hand-out named).
+ * The rows of $4, the ids of $1 that the check found not held back by
+ * their key (or, to hold, those of them that come before another of their
+ * key), that are leased (and still under the hand-out named).
  */
 #define ACK_CHECKED_WHERE(fence) \
 	"o.id = ANY ($4) AND o.state = 'leased'" fence("o")
 
 /*
  * A nack: the row (if it is leased, under the hand-out that returned it
- * with the fenced form) is pending again after a backoff, or dead after
- * its last attempt; the later rows of its key in the same hand-out go back
- * to pending at once, their hand-out not counted as an attempt (they were
- * never tried).  The rows of one hand-out of a key share their lease's end
- * (available_at), which tells them from the rows of any other: a later
- * hand-out of the key starts after this one's lease ran out, and so ends
- * later.
+ * with the fenced form) has failed one more try, and is pending again after
+ * a backoff, or dead after its last try; the later rows of its key in the
+ * same hand-out go back to pending at once, their hand-out not counted as a
+ * failure (they were never tried).  The rows of one hand-out of a key share
+ * their lease's end (available_at), which tells them from the rows of any
+ * other: a later hand-out of the key starts after this one's lease ran out,
+ * and so ends later.  Their attempts stay as the hand-out left them, and
+ * the next hand-out counts one more: a fence (attempts) is never handed out
+ * twice.  NACK_SQL_1_1 is 1.1's, for a database not updated yet, whose
+ * attempts count the failures too: the put-back took the hand-out back
+ * (attempts - 1), and the next hand-out repeated the fence.
  */
-#define NACK_SQL(fence) \
+#define NACK_TARGET(fence) \
 	"WITH target AS (" \
 	"  SELECT id, topic, key, available_at FROM idempotency.outbox" \
 	"  WHERE id = $1 AND state = 'leased'" fence \
 	"  FOR UPDATE" \
-	"), nacked AS (" \
+	")"
+#define NACK_RELEASED(attempts) \
+	", released AS (" \
+	"  UPDATE idempotency.outbox o" \
+	"  SET state = 'pending', " attempts "available_at = $3" \
+	"  FROM target t" \
+	"  WHERE o.topic = t.topic AND o.key = t.key AND o.id > t.id" \
+	"    AND o.state = 'leased' AND o.published_at IS NULL AND o.available_at = t.available_at" \
+	"  RETURNING o.id" \
+	")" \
+	" SELECT id FROM nacked"
+#define NACK_SQL(fence) \
+	NACK_TARGET(fence) \
+	", nacked AS (" \
+	"  UPDATE idempotency.outbox o" \
+	"  SET state = CASE WHEN o.failures + 1 >= $4 THEN 'dead' ELSE 'pending' END," \
+	"      failures = o.failures + 1," \
+	"      last_error = $2," \
+	"      available_at = $3 + make_interval(secs => " \
+	BACKOFF_MS_SQL("(o.failures + 1)", "$5", "$6") " / 1000.0)" \
+	"  FROM target t WHERE o.id = t.id" \
+	"  RETURNING o.id" \
+	")" \
+	NACK_RELEASED("")
+#define NACK_SQL_1_1(fence) \
+	NACK_TARGET(fence) \
+	", nacked AS (" \
 	"  UPDATE idempotency.outbox o" \
 	"  SET state = CASE WHEN o.attempts >= $4 THEN 'dead' ELSE 'pending' END," \
 	"      last_error = $2," \
@@ -222,15 +264,56 @@
 	BACKOFF_MS_SQL("o.attempts", "$5", "$6") " / 1000.0)" \
 	"  FROM target t WHERE o.id = t.id" \
 	"  RETURNING o.id" \
-	"), released AS (" \
-	"  UPDATE idempotency.outbox o" \
-	"  SET state = 'pending', attempts = greatest(o.attempts - 1, 0), available_at = $3" \
-	"  FROM target t" \
-	"  WHERE o.topic = t.topic AND o.key = t.key AND o.id > t.id" \
-	"    AND o.state = 'leased' AND o.published_at IS NULL AND o.available_at = t.available_at" \
-	"  RETURNING o.id" \
 	")" \
-	" SELECT id FROM nacked"
+	NACK_RELEASED("attempts = greatest(o.attempts - 1, 0), ")
+
+/*
+ * The statements that decide on a row's failed tries, with try: which try
+ * of the row the one in hand (leased, or failing now) is.  From 1.2 it is
+ * one more than its failures; at 1.1, which counted failures and hand-outs
+ * in one column, it was attempts (see statements_1_1).
+ */
+#define FETCH_HEADS_SQL(try) \
+	"SELECT o.id, o.key, o.state = 'leased' AND " try " >= $5 AS exhausted" \
+	" FROM idempotency.outbox o" \
+	" WHERE o.id = ANY ($8) AND o.state IN ('pending', 'leased')" \
+	"   AND o.published_at IS NULL AND o.available_at <= $4" \
+	" ORDER BY o.id" \
+	" FOR UPDATE OF o SKIP LOCKED"
+#define FETCH_FOLLOWERS_SQL(try) \
+	"SELECT o.id, o.available_at <= $4" \
+	"        AND (o.state = 'pending' OR (o.state = 'leased' AND " try " < $5)) AS ready" \
+	" FROM idempotency.outbox o" \
+	" WHERE o.topic = $1 AND o.key = $6 AND o.id > $7" \
+	"   AND o.state <> 'published' AND o.published_at IS NULL" \
+	" ORDER BY o.id LIMIT $2" \
+	" FOR UPDATE OF o"
+#define FETCH_LEASE_SQL(try, count_failure) \
+	"WITH handed_out AS (" \
+	"  UPDATE idempotency.outbox o" \
+	"  SET state = CASE WHEN o.state = 'leased' AND " try " >= $5 THEN 'dead' ELSE 'leased' END," \
+	"      attempts = CASE WHEN o.state = 'leased' AND " try " >= $5 THEN o.attempts" \
+	"                      ELSE o.attempts + 1 END," \
+	count_failure \
+	"      last_error = CASE WHEN o.state = 'leased' AND " try " >= $5" \
+	"                        THEN 'lease ran out without acknowledgement' ELSE o.last_error END," \
+	"      available_at = $4 + $3" \
+	"  WHERE o.id = ANY ($8)" \
+	"  RETURNING o.*" \
+	")" \
+	" SELECT * FROM handed_out WHERE state = 'leased' ORDER BY id"
+#define REQUEUE_SQL(reset) \
+	"UPDATE idempotency.outbox SET state = 'pending', " reset ", available_at = $2" \
+	" WHERE id = $1 AND state = 'dead'"
+#define PUBLISH_FAILED_SQL(try, count_failure) \
+	"UPDATE idempotency.outbox" \
+	" SET attempts = attempts + 1," \
+	count_failure \
+	"     state = CASE WHEN " try " >= $4 THEN 'dead' ELSE 'pending' END," \
+	"     last_error = $2," \
+	"     available_at = $3 + make_interval(secs => " \
+	BACKOFF_MS_SQL("(" try ")", "$5", "$6") " / 1000.0)" \
+	" WHERE id = $1 AND state = 'pending'"
 
 typedef struct StatementDef
 {
@@ -329,12 +412,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * unpublished again.
 	 */
 	[STMT_FETCH_HEADS] = {
-		"SELECT o.id, o.key, o.state = 'leased' AND o.attempts >= $5 AS exhausted"
-		" FROM idempotency.outbox o"
-		" WHERE o.id = ANY ($8) AND o.state IN ('pending', 'leased')"
-		"   AND o.published_at IS NULL AND o.available_at <= $4"
-		" ORDER BY o.id"
-		" FOR UPDATE OF o SKIP LOCKED",
+		FETCH_HEADS_SQL("o.failures + 1"),
 		FETCH_NARGS, FETCH_ARGTYPES, FETCH_PLAN
 	},
 
@@ -346,92 +424,51 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * nack) for the moment it runs.
 	 */
 	[STMT_FETCH_FOLLOWERS] = {
-		"SELECT o.id, o.available_at <= $4"
-		"        AND (o.state = 'pending' OR (o.state = 'leased' AND o.attempts < $5)) AS ready"
-		" FROM idempotency.outbox o"
-		" WHERE o.topic = $1 AND o.key = $6 AND o.id > $7"
-		"   AND o.state <> 'published' AND o.published_at IS NULL"
-		" ORDER BY o.id LIMIT $2"
-		" FOR UPDATE OF o",
+		FETCH_FOLLOWERS_SQL("o.failures + 1"),
 		FETCH_NARGS, FETCH_ARGTYPES, FETCH_PLAN
 	},
 
 	/*
 	 * Lease the rows chosen ($8), locked by the statements above: one more
-	 * attempt each, until $4 + $3.  A leased row whose lease ran out on its
-	 * last attempt becomes dead instead.  None of the columns written is
-	 * indexed (see the update script), so this is a HOT update where the
-	 * page has room.
+	 * hand-out each (attempts), until $4 + $3.  A leased row whose lease ran
+	 * out unacknowledged failed its try: counted (failures), and dead
+	 * instead after its last.  None of the columns written is indexed (see
+	 * the update script), so this is a HOT update where the page has room.
 	 */
 	[STMT_FETCH_LEASE] = {
-		"WITH handed_out AS ("
-		"  UPDATE idempotency.outbox o"
-		"  SET state = CASE WHEN o.state = 'leased' AND o.attempts >= $5 THEN 'dead' ELSE 'leased' END,"
-		"      attempts = CASE WHEN o.state = 'leased' AND o.attempts >= $5 THEN o.attempts"
-		"                      ELSE o.attempts + 1 END,"
-		"      last_error = CASE WHEN o.state = 'leased' AND o.attempts >= $5"
-		"                        THEN 'lease ran out without acknowledgement' ELSE o.last_error END,"
-		"      available_at = $4 + $3"
-		"  WHERE o.id = ANY ($8)"
-		"  RETURNING o.*"
-		")"
-		" SELECT * FROM handed_out WHERE state = 'leased' ORDER BY id",
+		FETCH_LEASE_SQL("o.failures + 1",
+						"      failures = CASE WHEN o.state = 'leased' THEN o.failures + 1"
+						"                      ELSE o.failures END,"),
 		FETCH_NARGS, FETCH_ARGTYPES, FETCH_PLAN
 	},
 
 	/*
-	 * Acknowledgements: $1 ids, $2 now, $3 attempts (the fenced forms).  A
-	 * row is acknowledged if it is leased (under the hand-out that returned
-	 * it: ACK_FENCE) and every earlier unpublished row of its key is
-	 * acknowledged with it.
+	 * Acknowledgements, in three steps (see acknowledge_on in api/outbox.c):
+	 * $1 ids, $2 now, $3 attempts (the fenced forms), $4 ids the check let
+	 * through.  First the order check, where outbox_ack.c cannot read it
+	 * from the indexes: the rows of $1 that may be acknowledged, leased (and
+	 * under the hand-out named), by key, oldest first.
 	 */
-	[STMT_ACK_DELETE] = {
-		ACK_BLOCKING(NO_FENCE) "DELETE FROM idempotency.outbox o WHERE " ACK_WHERE(NO_FENCE),
-		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
-	},
-	[STMT_ACK_KEEP] = {
-		ACK_BLOCKING(NO_FENCE) "UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
-		" WHERE " ACK_WHERE(NO_FENCE),
-		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
-	},
-	[STMT_ACK_FENCED_DELETE] = {
-		ACK_BLOCKING(ACK_FENCE) "DELETE FROM idempotency.outbox o WHERE " ACK_WHERE(ACK_FENCE),
-		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
-	},
-	[STMT_ACK_FENCED_KEEP] = {
-		ACK_BLOCKING(ACK_FENCE) "UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
-		" WHERE " ACK_WHERE(ACK_FENCE),
-		3, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID}
-	},
-
-	/*
-	 * The same, once outbox_ack.c has read the order check from the indexes
-	 * under the snapshot these run with: $4 the ids their key does not hold
-	 * back; the ids written, for outbox_ack_written_in_order.
-	 */
-	[STMT_ACK_CHECKED_DELETE] = {
-		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(NO_FENCE) " RETURNING o.id",
+	[STMT_ACK_CHECK] = {
+		ACK_BLOCKING(NO_FENCE) "SELECT o.id, o.topic, o.key FROM idempotency.outbox o"
+		" WHERE " ACK_WHERE(NO_FENCE) " ORDER BY o.topic, o.key, o.id",
 		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
 	},
-	[STMT_ACK_CHECKED_KEEP] = {
-		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
-		" WHERE " ACK_CHECKED_WHERE(NO_FENCE) " RETURNING o.id",
-		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
-	},
-	[STMT_ACK_CHECKED_FENCED_DELETE] = {
-		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(ACK_FENCE) " RETURNING o.id",
-		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
-	},
-	[STMT_ACK_CHECKED_FENCED_KEEP] = {
-		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
-		" WHERE " ACK_CHECKED_WHERE(ACK_FENCE) " RETURNING o.id",
+	[STMT_ACK_FENCED_CHECK] = {
+		ACK_BLOCKING(ACK_FENCE) "SELECT o.id, o.topic, o.key FROM idempotency.outbox o"
+		" WHERE " ACK_WHERE(ACK_FENCE) " ORDER BY o.topic, o.key, o.id",
 		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
 	},
 
 	/*
-	 * Lock the rows of $4 that are still leased (under the hand-out named),
-	 * in id order, and say which: before the SQL check, which then takes
-	 * those alone (see acknowledge_on).
+	 * Then, if the check let through two or more rows of a key, the rows
+	 * that come before another of their key ($4) are locked, in id order,
+	 * and those still taken returned: under READ COMMITTED a row changed
+	 * since the check's snapshot is read again as it is now (as an UPDATE
+	 * reads the row it writes), so that a row another relay leased again
+	 * meanwhile is not returned, and the rows of its key after it are left
+	 * out of the write; under REPEATABLE READ, such a row fails the lock
+	 * with 40001, as any write of it would.
 	 */
 	[STMT_ACK_HOLD] = {
 		"SELECT o.id FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(NO_FENCE)
@@ -441,6 +478,31 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	[STMT_ACK_FENCED_HOLD] = {
 		"SELECT o.id FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(ACK_FENCE)
 		" ORDER BY o.id FOR UPDATE OF o",
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
+	},
+
+	/*
+	 * Then the write, of the rows let through ($4) that are still taken: a
+	 * row is tested as it is now (READ COMMITTED), and whichever of them
+	 * another relay took meanwhile is left; the rows of a key that come
+	 * after another are held, and cannot have changed.
+	 */
+	[STMT_ACK_CHECKED_DELETE] = {
+		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(NO_FENCE),
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
+	},
+	[STMT_ACK_CHECKED_KEEP] = {
+		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
+		" WHERE " ACK_CHECKED_WHERE(NO_FENCE),
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
+	},
+	[STMT_ACK_CHECKED_FENCED_DELETE] = {
+		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(ACK_FENCE),
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
+	},
+	[STMT_ACK_CHECKED_FENCED_KEEP] = {
+		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
+		" WHERE " ACK_CHECKED_WHERE(ACK_FENCE),
 		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}
 	},
 
@@ -458,8 +520,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	},
 
 	[STMT_REQUEUE] = {
-		"UPDATE idempotency.outbox SET state = 'pending', attempts = 0, available_at = $2"
-		" WHERE id = $1 AND state = 'dead'",
+		REQUEUE_SQL("failures = 0"),
 		2, {INT8OID, TIMESTAMPTZOID}
 	},
 	[STMT_DISCARD] = {
@@ -539,13 +600,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * then.
 	 */
 	[STMT_PUBLISH_FAILED] = {
-		"UPDATE idempotency.outbox"
-		" SET attempts = attempts + 1,"
-		"     state = CASE WHEN attempts + 1 >= $4 THEN 'dead' ELSE 'pending' END,"
-		"     last_error = $2,"
-		"     available_at = $3 + make_interval(secs => "
-		BACKOFF_MS_SQL("(attempts + 1)", "$5", "$6") " / 1000.0)"
-		" WHERE id = $1 AND state = 'pending'",
+		PUBLISH_FAILED_SQL("failures + 1", "      failures = failures + 1,"),
 		6, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID}
 	},
 	/*
@@ -567,6 +622,31 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		3, {TIMESTAMPTZOID, INT4OID, TIMESTAMPTZOID}
 	},
 };
+
+/*
+ * The statements whose text differs in a database still at 1.1 (no failures
+ * column): attempts counted the failed tries as well as the hand-outs, a
+ * requeue reset it, and a nack's put-back took its hand-out back.  Their
+ * fences could repeat: the reason for 1.2.
+ */
+static const char *const statements_1_1[NUM_STATEMENTS] = {
+	[STMT_FETCH_HEADS] = FETCH_HEADS_SQL("o.attempts"),
+	[STMT_FETCH_FOLLOWERS] = FETCH_FOLLOWERS_SQL("o.attempts"),
+	[STMT_FETCH_LEASE] = FETCH_LEASE_SQL("o.attempts", ""),
+	[STMT_NACK] = NACK_SQL_1_1(""),
+	[STMT_NACK_FENCED] = NACK_SQL_1_1(" AND attempts = $7"),
+	[STMT_REQUEUE] = REQUEUE_SQL("attempts = 0"),
+	[STMT_PUBLISH_FAILED] = PUBLISH_FAILED_SQL("attempts + 1", ""),
+};
+
+/*
+ * Plans prepared on first use and kept for the backend's life, one set per
+ * schema (OutboxSchema): the 1.1 set is used until the database is updated.
+ */
+static SPIPlanPtr plans[NUM_OUTBOX_SCHEMAS][NUM_STATEMENTS];
+
+/* The schema of the database the statements run in now (outbox_sql_begin_on). */
+static OutboxSchema outbox_schema = OUTBOX_SCHEMA_1_2;
 
 /*
  * Enter the planner settings of a walk_in_order statement, for as long as
@@ -602,9 +682,6 @@ planning_settings_end(int guc_nest_level)
 		AtEOXact_GUC(false, guc_nest_level);
 }
 
-/* Plans prepared on first use and kept for the backend's life. */
-static SPIPlanPtr plans[NUM_STATEMENTS];
-
 /*
  * The plans of the statements on one shard of a distributed outbox, kept
  * for the backend's life too, by the shard's OID, with the tables their text
@@ -618,7 +695,7 @@ typedef struct ShardPlans
 	NameData	name;
 	Oid			routes;			/* this node's placement of the routes, if any */
 	NameData	routes_name;
-	SPIPlanPtr	plans[NUM_STATEMENTS];
+	SPIPlanPtr	plans[NUM_OUTBOX_SCHEMAS][NUM_STATEMENTS];
 } ShardPlans;
 
 static HTAB *shard_plans;
@@ -726,6 +803,15 @@ plans_in_use(const ShardPlans *entry)
 	return false;
 }
 
+static void
+free_plans(ShardPlans *entry)
+{
+	for (int schema = 0; schema < NUM_OUTBOX_SCHEMAS; schema++)
+		for (int i = 0; i < NUM_STATEMENTS; i++)
+			if (entry->plans[schema][i] != NULL)
+				SPI_freeplan(entry->plans[schema][i]);
+}
+
 /*
  * Free the plans of the shards whose tables are gone or renamed (a shard
  * moved away, and dropped by Citus), but those of the contexts begun, which
@@ -745,9 +831,7 @@ forget_gone_shards(void)
 	{
 		if (plans_in_use(entry) || plans_still_valid(entry))
 			continue;
-		for (int i = 0; i < NUM_STATEMENTS; i++)
-			if (entry->plans[i] != NULL)
-				SPI_freeplan(entry->plans[i]);
+		free_plans(entry);
 		(void) hash_search(shard_plans, &entry->shard, HASH_REMOVE, NULL);
 	}
 }
@@ -782,9 +866,7 @@ plans_of_shard(Oid shard)
 	forget_gone_shards();
 	entry = hash_search(shard_plans, &shard, HASH_ENTER, &found);
 	if (found)
-		for (int i = 0; i < NUM_STATEMENTS; i++)
-			if (entry->plans[i] != NULL)
-				SPI_freeplan(entry->plans[i]);
+		free_plans(entry);
 	memset(entry->plans, 0, sizeof(entry->plans));
 	namestrcpy(&entry->name, get_rel_name(shard));
 	routes = get_relname_relid("outbox_routes", get_rel_namespace(shard));
@@ -862,7 +944,11 @@ outbox_sql_begin(OutboxSqlContext *context)
 bool
 outbox_sql_begin_on(OutboxSqlContext *context, Oid shard)
 {
-	Oid			owner = idem_outbox_owner();
+	int			natts;
+	Oid			owner = idem_outbox_owner(&natts);
+
+	/* 1.2's failures column, or a database still at 1.1 (its shards alike) */
+	outbox_schema = natts >= Natts_outbox ? OUTBOX_SCHEMA_1_2 : OUTBOX_SCHEMA_1_1;
 
 	push_begun();
 	current_shard = NULL;
@@ -879,6 +965,9 @@ outbox_sql_begin_on(OutboxSqlContext *context, Oid shard)
 			return false;
 		}
 		current_shard = plans_of_shard(shard);
+		/* a shard that missed the update's new column is served as at 1.1 */
+		if (get_attnum(shard, "failures") == InvalidAttrNumber)
+			outbox_schema = OUTBOX_SCHEMA_1_1;
 	}
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
@@ -898,13 +987,16 @@ outbox_sql_end(OutboxSqlContext *context)
 SPIPlanPtr
 outbox_plan(OutboxStatement statement)
 {
-	SPIPlanPtr *kept = current_shard != NULL ? current_shard->plans : plans;
+	SPIPlanPtr *kept = current_shard != NULL ?
+		current_shard->plans[outbox_schema] : plans[outbox_schema];
 
 	if (kept[statement] == NULL)
 	{
 		const StatementDef *def = &statements[statement];
+		const char *text = outbox_schema == OUTBOX_SCHEMA_1_1 &&
+			statements_1_1[statement] != NULL ? statements_1_1[statement] : def->sql;
 		const char *sql = current_shard != NULL ?
-			statement_on_shard(def->sql, current_shard) : def->sql;
+			statement_on_shard(text, current_shard) : text;
 		SPIPlanPtr	plan = SPI_prepare_cursor(sql, def->nargs, (Oid *) def->argtypes,
 											  def->custom_plan ? CURSOR_OPT_CUSTOM_PLAN :
 											  def->generic_plan ? CURSOR_OPT_GENERIC_PLAN : 0);

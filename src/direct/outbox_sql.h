@@ -18,10 +18,8 @@ typedef enum OutboxStatement
 	STMT_FETCH_HEADS,
 	STMT_FETCH_FOLLOWERS,
 	STMT_FETCH_LEASE,
-	STMT_ACK_DELETE,
-	STMT_ACK_KEEP,
-	STMT_ACK_FENCED_DELETE,
-	STMT_ACK_FENCED_KEEP,
+	STMT_ACK_CHECK,
+	STMT_ACK_FENCED_CHECK,
 	STMT_ACK_CHECKED_DELETE,
 	STMT_ACK_CHECKED_KEEP,
 	STMT_ACK_CHECKED_FENCED_DELETE,
@@ -44,6 +42,17 @@ typedef enum OutboxStatement
 	STMT_PURGE_PUBLISHED,
 	NUM_STATEMENTS
 } OutboxStatement;
+
+/*
+ * The schema of the outbox's database: 1.2 has the failures column; a
+ * database not updated yet is served 1.1's statements (outbox_sql.c).
+ */
+typedef enum OutboxSchema
+{
+	OUTBOX_SCHEMA_1_1,
+	OUTBOX_SCHEMA_1_2,
+	NUM_OUTBOX_SCHEMAS
+} OutboxSchema;
 
 /* The parameters of STMT_FETCH_* (see there), and its columns. */
 enum
@@ -77,6 +86,14 @@ enum
 {
 	FOLLOWER_ID = 1,
 	FOLLOWER_READY
+};
+
+/* Columns of STMT_ACK_CHECK */
+enum
+{
+	ACK_CHECK_ID = 1,
+	ACK_CHECK_TOPIC,
+	ACK_CHECK_KEY
 };
 
 /* Columns of STMT_PUBLISH_CANDIDATES. */

@@ -84,45 +84,88 @@ citus_catalog(const char *name)
 	return get_relname_relid(name, PG_CATALOG_NAMESPACE);
 }
 
+/* One column of the rows of a Citus catalog that citus_catalog_column read. */
+typedef struct CitusColumn
+{
+	int			nrows;			/* -1: no such catalog (Citus is not installed) */
+	Datum	   *values;			/* copied out */
+	bool	   *nulls;
+} CitusColumn;
+
 /*
- * A column of the table's row in pg_dist_partition, copied out; false when
- * Citus does not know the table (or is not installed).  NULL (*isnull) too
- * when the catalog has no such column of the type Citus gives it (typid):
- * a catalog made or altered by hand is read, never trusted.
+ * Column attnum, of type typid, of the rows of Citus's catalog name (in
+ * pg_catalog) that match the scan keys (on the catalog's attribute
+ * numbers), in the order of its index index_name where Citus has it, read
+ * once, the catalog closed again.  A column the catalog lacks or has of
+ * another type reads as NULL: a catalog made or altered by hand is read,
+ * never trusted.
+ */
+static CitusColumn
+citus_catalog_column(const char *name, const char *index_name, int nkeys, ScanKey keys,
+					 AttrNumber attnum, Oid typid)
+{
+	Oid			catalog_id = citus_catalog(name);
+	Oid			index_id = index_name != NULL ? citus_catalog(index_name) : InvalidOid;
+	CitusColumn column = {-1, NULL, NULL};
+	int			capacity = 4;
+	Relation	catalog;
+	TupleDesc	desc;
+	Form_pg_attribute att;
+	SysScanDesc scan;
+	HeapTuple	tuple;
+
+	if (!OidIsValid(catalog_id))
+		return column;
+	catalog = table_open(catalog_id, AccessShareLock);
+	desc = RelationGetDescr(catalog);
+	att = attnum <= desc->natts ? TupleDescAttr(desc, attnum - 1) : NULL;
+	if (att != NULL && (att->attisdropped || att->atttypid != typid))
+		att = NULL;
+	column.nrows = 0;
+	column.values = palloc(sizeof(Datum) * capacity);
+	column.nulls = palloc(sizeof(bool) * capacity);
+	scan = systable_beginscan(catalog, index_id, OidIsValid(index_id), NULL, nkeys, keys);
+	while (HeapTupleIsValid(tuple = systable_getnext(scan)))
+	{
+		Datum		value = (Datum) 0;
+		bool		isnull = true;
+
+		if (column.nrows == capacity)
+		{
+			capacity *= 2;
+			column.values = repalloc(column.values, sizeof(Datum) * capacity);
+			column.nulls = repalloc(column.nulls, sizeof(bool) * capacity);
+		}
+		if (att != NULL)
+			value = heap_getattr(tuple, attnum, desc, &isnull);
+		column.values[column.nrows] = isnull ? (Datum) 0 :
+			datumCopy(value, att->attbyval, att->attlen);
+		column.nulls[column.nrows++] = isnull;
+	}
+	systable_endscan(scan);
+	table_close(catalog, AccessShareLock);
+	return column;
+}
+
+/*
+ * A column of the table's row in pg_dist_partition; false when Citus does
+ * not know the table (or is not installed).  NULL (*isnull) too when the
+ * catalog has no such column of the type Citus gives it (typid).
  */
 static bool
 dist_partition_attr(Oid relid, AttrNumber attnum, Oid typid, Datum *value, bool *isnull)
 {
-	Oid			catalog_id = citus_catalog("pg_dist_partition");
-	Relation	catalog;
 	ScanKeyData key;
-	SysScanDesc scan;
-	HeapTuple	tuple;
-	bool		found = false;
+	CitusColumn column;
 
-	if (!OidIsValid(catalog_id))
-		return false;
-	catalog = table_open(catalog_id, AccessShareLock);
 	ScanKeyInit(&key, Anum_dist_partition_logicalrelid, BTEqualStrategyNumber,
 				F_OIDEQ, ObjectIdGetDatum(relid));
-	scan = systable_beginscan(catalog, InvalidOid, false, NULL, 1, &key);
-	if (HeapTupleIsValid(tuple = systable_getnext(scan)))
-	{
-		TupleDesc	desc = RelationGetDescr(catalog);
-		Form_pg_attribute att = attnum <= desc->natts ? TupleDescAttr(desc, attnum - 1) : NULL;
-
-		*isnull = true;
-		if (att != NULL && !att->attisdropped && att->atttypid == typid)
-		{
-			*value = heap_getattr(tuple, attnum, desc, isnull);
-			if (!*isnull)
-				*value = datumCopy(*value, att->attbyval, att->attlen);
-		}
-		found = true;
-	}
-	systable_endscan(scan);
-	table_close(catalog, AccessShareLock);
-	return found;
+	column = citus_catalog_column("pg_dist_partition", NULL, 1, &key, attnum, typid);
+	if (column.nrows <= 0)
+		return false;
+	*value = column.values[0];
+	*isnull = column.nulls[0];
+	return true;
 }
 
 /*
@@ -235,59 +278,27 @@ lock_shard_metadata(int64 shard)
 int32
 idem_citus_local_group(void)
 {
-	Oid			catalog_id = citus_catalog("pg_dist_local_group");
-	Relation	catalog;
-	SysScanDesc scan;
-	HeapTuple	tuple;
-	int32		group = -1;
+	CitusColumn column = citus_catalog_column("pg_dist_local_group", NULL, 0, NULL,
+											  Anum_dist_local_group_groupid, INT4OID);
 
-	if (!OidIsValid(catalog_id))
-		return -1;
-	catalog = table_open(catalog_id, AccessShareLock);
-	scan = systable_beginscan(catalog, InvalidOid, false, NULL, 0, NULL);
-	if (HeapTupleIsValid(tuple = systable_getnext(scan)))
-	{
-		bool		isnull;
-		Datum		value = heap_getattr(tuple, Anum_dist_local_group_groupid,
-										 RelationGetDescr(catalog), &isnull);
-
-		if (!isnull)
-			group = DatumGetInt32(value);
-	}
-	systable_endscan(scan);
-	table_close(catalog, AccessShareLock);
-	return group;
+	return column.nrows > 0 && !column.nulls[0] ? DatumGetInt32(column.values[0]) : -1;
 }
 
 /* Has the shard a placement in this group? */
 static bool
 placed_in_group(int64 shard, int32 group)
 {
-	Oid			catalog_id = citus_catalog("pg_dist_placement");
-	Oid			index_id = citus_catalog("pg_dist_placement_shardid_index");
-	Relation	catalog;
 	ScanKeyData key;
-	SysScanDesc scan;
-	HeapTuple	tuple;
-	bool		placed = false;
+	CitusColumn column;
 
-	if (!OidIsValid(catalog_id))
-		return false;
-	catalog = table_open(catalog_id, AccessShareLock);
 	ScanKeyInit(&key, Anum_dist_placement_shardid, BTEqualStrategyNumber,
 				F_INT8EQ, Int64GetDatum(shard));
-	scan = systable_beginscan(catalog, index_id, OidIsValid(index_id), NULL, 1, &key);
-	while (!placed && HeapTupleIsValid(tuple = systable_getnext(scan)))
-	{
-		bool		isnull;
-		Datum		value = heap_getattr(tuple, Anum_dist_placement_groupid,
-										 RelationGetDescr(catalog), &isnull);
-
-		placed = !isnull && DatumGetInt32(value) == group;
-	}
-	systable_endscan(scan);
-	table_close(catalog, AccessShareLock);
-	return placed;
+	column = citus_catalog_column("pg_dist_placement", "pg_dist_placement_shardid_index",
+								  1, &key, Anum_dist_placement_groupid, INT4OID);
+	for (int i = 0; i < column.nrows; i++)
+		if (!column.nulls[i] && DatumGetInt32(column.values[i]) == group)
+			return true;
+	return false;
 }
 
 /* The shard's table, "<table>_<shard>" in the shell's schema (or InvalidOid). */
@@ -369,35 +380,28 @@ idem_shard_for_value(Relation shell_rel, text *value, const char *function_name)
 List *
 idem_local_shards(Oid shell)
 {
-	Oid			catalog_id = citus_catalog("pg_dist_shard");
-	int32		group = idem_citus_local_group();
-	Relation	catalog;
 	ScanKeyData key;
-	SysScanDesc scan;
-	HeapTuple	tuple;
+	CitusColumn column;
+	int32		group;
 	List	   *shards = NIL;
 
-	if (!OidIsValid(catalog_id))
-		return NIL;
-	catalog = table_open(catalog_id, AccessShareLock);
 	ScanKeyInit(&key, Anum_dist_shard_logicalrelid, BTEqualStrategyNumber,
 				F_OIDEQ, ObjectIdGetDatum(shell));
-	scan = systable_beginscan(catalog, InvalidOid, false, NULL, 1, &key);
-	while (HeapTupleIsValid(tuple = systable_getnext(scan)))
+	column = citus_catalog_column("pg_dist_shard", NULL, 1, &key,
+								  Anum_dist_shard_shardid, INT8OID);
+	if (column.nrows <= 0)
+		return NIL;
+	group = idem_citus_local_group();
+	for (int i = 0; i < column.nrows; i++)
 	{
-		bool		isnull;
-		Datum		value = heap_getattr(tuple, Anum_dist_shard_shardid,
-										 RelationGetDescr(catalog), &isnull);
 		Oid			relid;
 
-		if (isnull || !placed_in_group(DatumGetInt64(value), group))
+		if (column.nulls[i] || !placed_in_group(DatumGetInt64(column.values[i]), group))
 			continue;
-		relid = shard_relation(shell, DatumGetInt64(value));
+		relid = shard_relation(shell, DatumGetInt64(column.values[i]));
 		if (OidIsValid(relid))
 			shards = lappend_oid(shards, relid);
 	}
-	systable_endscan(scan);
-	table_close(catalog, AccessShareLock);
 	list_sort(shards, list_oid_cmp);
 	return shards;
 }
@@ -439,31 +443,17 @@ idem_lock_local_shard(Oid relid)
 bool
 idem_citus_delegates_function(Oid funcid)
 {
-	Oid			catalog_id = citus_catalog("pg_dist_object");
-	Oid			index_id = citus_catalog("pg_dist_object_pkey");
-	Relation	catalog;
 	ScanKeyData keys[2];
-	SysScanDesc scan;
-	HeapTuple	tuple;
-	bool		delegated = false;
+	CitusColumn column;
 
-	if (!OidIsValid(catalog_id))
-		return false;
-	catalog = table_open(catalog_id, AccessShareLock);
 	ScanKeyInit(&keys[0], Anum_dist_object_classid, BTEqualStrategyNumber,
 				F_OIDEQ, ObjectIdGetDatum(ProcedureRelationId));
 	ScanKeyInit(&keys[1], Anum_dist_object_objid, BTEqualStrategyNumber,
 				F_OIDEQ, ObjectIdGetDatum(funcid));
-	scan = systable_beginscan(catalog, index_id, OidIsValid(index_id), NULL, 2, keys);
-	while (!delegated && HeapTupleIsValid(tuple = systable_getnext(scan)))
-	{
-		bool		isnull;
-
-		(void) heap_getattr(tuple, Anum_dist_object_distribution_argument_index,
-							RelationGetDescr(catalog), &isnull);
-		delegated = !isnull;
-	}
-	systable_endscan(scan);
-	table_close(catalog, AccessShareLock);
-	return delegated;
+	column = citus_catalog_column("pg_dist_object", "pg_dist_object_pkey", 2, keys,
+								  Anum_dist_object_distribution_argument_index, INT4OID);
+	for (int i = 0; i < column.nrows; i++)
+		if (!column.nulls[i])
+			return true;
+	return false;
 }

@@ -27,7 +27,19 @@
  * every DDL this looks at invalidates the table's relcache entry, so the
  * hot path pays nothing.
  *
- * May call: the catalogs, through the relcache and syscache; direct/shards.h.
+ * The answer must not depend on invalidations that arrive while it runs.
+ * Each catalog it opens (pg_constraint, pg_inherits, a syscache miss) takes
+ * in the invalidations queued meanwhile, and one of the table or a sinval
+ * reset rebuilds the table's relcache entry under our feet: a rebuilt entry
+ * has a new rd_rel and trigdesc (the old ones freed) and no rd_pkindex until
+ * its index list is computed again.  So the check reads a field of the
+ * entry through the Relation when it uses it, keeps no pointer into it
+ * across a catalog access (copying what it needs first), pins the tuple
+ * descriptor it walks, and takes the primary key once, through
+ * RelationGetPrimaryKeyIndex, for everything that compares with it.
+ *
+ * May call: the catalogs, through the relcache and syscache; direct/shards.h,
+ * compat.h.
  *
  *-------------------------------------------------------------------------
  */
@@ -52,6 +64,7 @@
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
 
+#include "compat.h"
 #include "direct/shards.h"
 #include "direct/table_check.h"
 
@@ -86,11 +99,17 @@ expected_collation(const ExpectedColumn *column)
 	return get_typcollation(column->type);
 }
 
-/* Its columns: names, types, nullability, collation; nothing computed. */
+/*
+ * Its columns: names, types, nullability, collation; nothing computed.  The
+ * descriptor is pinned: the lookups of types and collations may rebuild the
+ * relcache entry, which can swap in another.
+ */
 static void
 check_columns(Relation heap, const ExpectedTable *def, const char *qualified)
 {
 	TupleDesc	desc = RelationGetDescr(heap);
+
+	PinTupleDesc(desc);
 
 	for (int i = 0; i < Max(desc->natts, def->ncolumns); i++)
 	{
@@ -98,6 +117,9 @@ check_columns(Relation heap, const ExpectedTable *def, const char *qualified)
 		const ExpectedColumn *column = i < def->ncolumns ? &def->columns[i] : NULL;
 		const char *name;
 
+		/* the columns of a later version, all absent: the earlier version's table */
+		if (attr == NULL && i == desc->natts && i >= def->ncolumns - def->noptional)
+			break;
 		if (attr == NULL || column == NULL || attr->attisdropped ||
 			attr->atttypid != column->type ||
 			strcmp(NameStr(attr->attname), column->name) != 0)
@@ -134,16 +156,30 @@ check_columns(Relation heap, const ExpectedTable *def, const char *qualified)
 			REFUSE_UNDO(def, psprintf("Column \"%s\" is a generated column.", name),
 				   psprintf("ALTER TABLE %s ALTER %s DROP EXPRESSION", qualified, name));
 	}
+	ReleaseTupleDesc(desc);
 }
 
 /*
- * Its primary key: a btree on exactly the expected columns, in that order,
- * with the default operator classes and the columns' collations, nothing
- * included, checked immediately.  The probes build their scan keys from
- * that, and a speculative insertion relies on it being the one arbiter.
+ * The table's primary key index, InvalidOid if it has none: what the direct
+ * path opens and the check compares with.  Never heap->rd_pkindex itself,
+ * which a rebuild of the relcache entry leaves unset (see the top).
+ */
+Oid
+idem_primary_key_index(Relation heap)
+{
+	return compat_primary_key_index(heap);
+}
+
+/*
+ * Its primary key, pkindex: a btree on exactly the expected columns, in that
+ * order, with the default operator classes and the columns' collations,
+ * nothing included, checked immediately.  The probes build their scan keys
+ * from that, and a speculative insertion relies on it being the one arbiter.
+ * (The index's own relcache entry, open here, is reloaded in place by an
+ * invalidation, so its fields stay where they are.)
  */
 static void
-check_primary_key(Relation heap, const ExpectedTable *def, const char *qualified)
+check_primary_key(Oid pkindex, const ExpectedTable *def, const char *qualified)
 {
 	StringInfoData columns;
 	char	   *restore;
@@ -155,17 +191,14 @@ check_primary_key(Relation heap, const ExpectedTable *def, const char *qualified
 		appendStringInfo(&columns, "%s%s", i > 0 ? ", " : "",
 						 def->columns[def->pkey_columns[i] - 1].name);
 
-	/* the relcache's rd_pkindex: a primary key checked immediately */
-	if (!heap->rd_indexvalid)
-		list_free(RelationGetIndexList(heap));
-	if (!OidIsValid(heap->rd_pkindex))
+	if (!OidIsValid(pkindex))
 	{
 		restore = psprintf("ALTER TABLE %s DROP CONSTRAINT IF EXISTS %s_pkey, ADD PRIMARY KEY (%s)",
 						   qualified, def->name, columns.data);
 		REFUSE_UNDO(def, "It has no primary key, or a deferrable one.", restore);
 	}
 
-	index = index_open(heap->rd_pkindex, AccessShareLock);
+	index = index_open(pkindex, AccessShareLock);
 	ok = index->rd_rel->relam == BTREE_AM_OID &&
 		index->rd_index->indnatts == def->npkey &&
 		index->rd_index->indnkeyatts == def->npkey &&
@@ -197,19 +230,21 @@ check_primary_key(Relation heap, const ExpectedTable *def, const char *qualified
 
 /*
  * Its constraints: its own CHECKs, its NOT NULLs (PostgreSQL 18 keeps them
- * in pg_constraint too; check_columns compared them) and its primary key;
- * no other CHECK, no foreign key, unique or exclusion constraint, and no
- * constraint trigger.
+ * in pg_constraint too; check_columns compared them) and its primary key,
+ * the one on pkindex; no other CHECK, no foreign key, unique or exclusion
+ * constraint, and no constraint trigger.
  */
 static void
-check_constraints(Relation heap, const ExpectedTable *def, const char *qualified)
+check_constraints(Relation heap, Oid pkindex, const ExpectedTable *def,
+				  const char *qualified)
 {
 	Relation	catalog;
 	ScanKeyData key;
 	SysScanDesc scan;
 	HeapTuple	tuple;
 	int			nchecks = 0;
-	const char *relname = RelationGetRelationName(heap);
+	/* a copy: opening pg_constraint may rebuild the entry, and its rd_rel */
+	const char *relname = pstrdup(RelationGetRelationName(heap));
 	/* a Citus shard, "keys_102008", may name its constraints "..._102008" */
 	const char *suffix = strncmp(relname, def->name, strlen(def->name)) == 0 ?
 		relname + strlen(def->name) : "";
@@ -228,7 +263,7 @@ check_constraints(Relation heap, const ExpectedTable *def, const char *qualified
 		switch (con->contype)
 		{
 			case CONSTRAINT_PRIMARY:
-				ours = con->conindid == heap->rd_pkindex;
+				ours = con->conindid == pkindex;
 				break;
 			case CONSTRAINT_CHECK:
 				for (const char *const *check = def->checks; *check != NULL; check++)
@@ -271,23 +306,31 @@ qualified_name(Oid relid)
 /*
  * Its triggers: none.  Rows written by the direct path would not fire
  * them; a foreign key that references the table works by triggers on it,
- * so this also finds those.
+ * so this also finds those.  What the message needs of the first trigger
+ * is copied before the lookups that build it: they may rebuild the relcache
+ * entry, whose old trigdesc is freed then.
  */
 static void
 check_triggers(Relation heap, const ExpectedTable *def, const char *qualified)
 {
 	Trigger    *trigger;
+	char	   *name;
+	Oid			constraint_oid;
+	Oid			constraint_relid;
 
 	if (heap->trigdesc == NULL || heap->trigdesc->numtriggers == 0)
 		return;
 
 	trigger = &heap->trigdesc->triggers[0];
-	if (OidIsValid(trigger->tgconstraint))
+	name = pstrdup(trigger->tgname);
+	constraint_oid = trigger->tgconstraint;
+	constraint_relid = trigger->tgconstrrelid;
+	if (OidIsValid(constraint_oid))
 	{
 		/* a constraint's: a foreign key, here or elsewhere, or a deferred check */
-		char	   *constraint = get_constraint_name(trigger->tgconstraint);
-		Oid			owner = OidIsValid(trigger->tgconstrrelid) ?
-			trigger->tgconstrrelid : RelationGetRelid(heap);
+		char	   *constraint = get_constraint_name(constraint_oid);
+		Oid			owner = OidIsValid(constraint_relid) ?
+			constraint_relid : RelationGetRelid(heap);
 
 		REFUSE_UNDO(def,
 					psprintf("Constraint \"%s\" of table %s works by triggers on it, which the extension's writes would not fire.",
@@ -297,8 +340,8 @@ check_triggers(Relation heap, const ExpectedTable *def, const char *qualified)
 	}
 	REFUSE_UNDO(def,
 				psprintf("It has trigger \"%s\", which the extension's writes would not fire.",
-						 trigger->tgname),
-				psprintf("DROP TRIGGER %s ON %s", quote_identifier(trigger->tgname), qualified));
+						 name),
+				psprintf("DROP TRIGGER %s ON %s", quote_identifier(name), qualified));
 }
 
 /* The first parent of a table in an inheritance tree, or InvalidOid. */
@@ -332,6 +375,7 @@ idem_check_table(Relation heap, const ExpectedTable *def)
 {
 	Oid			relid = RelationGetRelid(heap);
 	char	   *qualified = psprintf("%s.%s", IDEM_SCHEMA, def->name);
+	Oid			pkindex;
 	Oid			other;
 	List	   *children;
 
@@ -349,8 +393,9 @@ idem_check_table(Relation heap, const ExpectedTable *def)
 							 get_am_name(heap->rd_rel->relam)),
 			   psprintf("ALTER TABLE %s SET ACCESS METHOD heap", qualified));
 
-	check_primary_key(heap, def, qualified);
-	check_constraints(heap, def, qualified);
+	pkindex = idem_primary_key_index(heap);
+	check_primary_key(pkindex, def, qualified);
+	check_constraints(heap, pkindex, def, qualified);
 	check_triggers(heap, def, qualified);
 
 	if (heap->rd_rules != NULL && heap->rd_rules->numLocks > 0)

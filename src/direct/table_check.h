@@ -40,8 +40,11 @@ typedef struct ExpectedTable
 	const Oid  *pkey_eq;
 	const char *const *checks;	/* NULL-terminated */
 	AttrNumber	expires_column; /* rows past this instant are purged */
+	int			noptional;		/* the last columns, which a database at an
+								 * earlier version lacks */
 } ExpectedTable;
 
 extern void idem_check_table(Relation heap, const ExpectedTable *def);
+extern Oid	idem_primary_key_index(Relation heap);
 
 #endif							/* IDEMPOTENCY_TABLE_CHECK_H */

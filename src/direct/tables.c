@@ -25,7 +25,8 @@
  * Owns: the tables' OIDs (cached per backend), the probe, speculative
  *	  insertion, updates and deletes that give up instead of waiting, index
  *	  maintenance.
- * May call: direct/table_check.h (on first open), compat.h.  Called by
+ * May call: direct/table_check.h (on first open), infra/subxact.h (the
+ *	  outbox sequence's move), compat.h.  Called by
  *	  api/keys.c, api/events.c, direct/outbox_sql.c (the owner),
  *	  direct/outbox_ack.c (the outbox) and bgw/purge.c (the walk).
  *
@@ -60,6 +61,7 @@
 #include "direct/table_check.h"
 #include "direct/shards.h"
 #include "direct/tables.h"
+#include "infra/subxact.h"
 
 #define IDEM_SCHEMA "idempotency"
 
@@ -111,6 +113,8 @@ static const ExpectedColumn outbox_columns[Natts_outbox] = {
 	{"available_at", TIMESTAMPTZOID, true, false},
 	{"last_error", TEXTOID, false, false},
 	{"published_at", TIMESTAMPTZOID, false, false},
+	/* from 1.2 on: absent in a database still at 1.1 */
+	{"failures", INT4OID, true, false},
 };
 
 static const char *const outbox_checks[] = {"outbox_state_check", NULL};
@@ -121,12 +125,13 @@ static const Oid topic_and_id_eq[] = {F_TEXTEQ, F_INT8EQ};
 
 static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
 	[IDEM_TABLE_KEYS] = {"keys", Natts_keys, keys_columns,
-	2, first_two_columns, two_text_columns_eq, keys_checks, Anum_keys_expires_at},
+	2, first_two_columns, two_text_columns_eq, keys_checks, Anum_keys_expires_at, 0},
 	[IDEM_TABLE_EVENTS] = {"processed_events", Natts_events, events_columns,
-	2, first_two_columns, two_text_columns_eq, no_checks, Anum_events_expires_at},
+	2, first_two_columns, two_text_columns_eq, no_checks, Anum_events_expires_at, 0},
 	/* only enqueued here; the rest of the outbox's life is SQL (outbox.c) */
 	[IDEM_TABLE_OUTBOX] = {"outbox", Natts_outbox, outbox_columns,
-	2, topic_and_id, topic_and_id_eq, outbox_checks, InvalidAttrNumber},
+	2, topic_and_id, topic_and_id_eq, outbox_checks, InvalidAttrNumber,
+	Natts_outbox - Natts_outbox_1_1},
 };
 
 #define OUTBOX_SEQUENCE "outbox_id_seq"
@@ -168,6 +173,13 @@ typedef struct OwnRow
 static OwnRow own_row;
 static bool invalidation_registered = false;
 
+/*
+ * The table idem_check_table is looking at, and whether an invalidation of
+ * it (or a cache reset) came while it looked: see check_table.
+ */
+static Oid	relid_in_check = InvalidOid;
+static bool check_overtaken = false;
+
 static void
 forget_cached_table(Datum arg, Oid relid)
 {
@@ -183,6 +195,28 @@ forget_cached_table(Datum arg, Oid relid)
 	for (int i = 0; i < MAX_CHECKED_SHARDS; i++)
 		if (relid == InvalidOid || relid == checked_shards[i])
 			checked_shards[i] = InvalidOid;
+	if (relid == InvalidOid || relid == relid_in_check)
+		check_overtaken = true;
+}
+
+/*
+ * Check the table (table_check.c), and say whether its answer may be kept
+ * until the next invalidation of the table: not when one came while the
+ * check ran.  The check's catalog reads take in the invalidations queued
+ * meanwhile; one of them may be a change committed under a lock weaker
+ * than the DDL guards against (a trigger created while we hold
+ * AccessShareLock), taken in after the check looked at that part.  Were
+ * the OID kept, its invalidation would be spent and the next writer would
+ * never look again; unkept, the next open checks the table as it is.
+ */
+static bool
+check_table(Relation heap, const ExpectedTable *def)
+{
+	relid_in_check = RelationGetRelid(heap);
+	check_overtaken = false;
+	idem_check_table(heap, def);
+	relid_in_check = InvalidOid;
+	return !check_overtaken;
 }
 
 /*
@@ -273,7 +307,10 @@ open_table(IdemTable table, LOCKMODE lockmode, char *partmethod)
 	 */
 	*partmethod = idem_citus_partmethod(relid);
 	if (*partmethod != IDEM_CITUS_HASH)
-		idem_check_table(heap, def);
+	{
+		if (!check_table(heap, def))
+			return heap;
+	}
 	else
 		check_distribution_column(heap, table);
 	cached_partmethod[table] = *partmethod;
@@ -301,8 +338,7 @@ open_shard(IdemTable table, Relation shell, text *value, LOCKMODE lockmode,
 		if (free_slot < 0 && !OidIsValid(checked_shards[i]))
 			free_slot = i;
 	}
-	idem_check_table(shard, &table_defs[table]);
-	if (free_slot >= 0)
+	if (check_table(shard, &table_defs[table]) && free_slot >= 0)
 		checked_shards[free_slot] = relid;
 	return shard;
 }
@@ -320,14 +356,17 @@ idem_table_def(IdemTable table)
  * and their callers were built for.  Only the outbox is locked here: the
  * worker publishes holding its lock, and DROP EXTENSION locks the tables in
  * an order of its own, so a lock on another of them taken now could
- * deadlock with it.
+ * deadlock with it.  *natts is set to how many columns it has: Natts_outbox,
+ * or, in a database still at 1.1, Natts_outbox_1_1.
  */
 Oid
-idem_outbox_owner(void)
+idem_outbox_owner(int *natts)
 {
 	char		partmethod;
 	Relation	heap = open_table(IDEM_TABLE_OUTBOX, AccessShareLock, &partmethod);
 	Oid			owner = heap->rd_rel->relowner;
+
+	*natts = RelationGetDescr(heap)->natts;
 
 	table_close(heap, NoLock);
 	return owner;
@@ -388,7 +427,7 @@ idem_table_part_open(IdemTable table, Oid relid, LOCKMODE lockmode)
 	for (int i = 0; i < MAX_CHECKED_SHARDS; i++)
 		if (checked_shards[i] == relid)
 			return heap;
-	idem_check_table(heap, &table_defs[table]);
+	check_table(heap, &table_defs[table]);
 	return heap;
 }
 
@@ -457,8 +496,11 @@ idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode,
 		rel->heap = open_shard(table, shell, value, lockmode, function_name);
 		table_close(shell, NoLock);
 	}
-	/* idem_check_table made sure there is one, and the one expected */
-	rel->pkey = index_open(rel->heap->rd_pkindex, lockmode);
+	/*
+	 * idem_check_table made sure there is one, and the one expected; not
+	 * rd_pkindex itself, unset in an entry rebuilt since (table_check.c)
+	 */
+	rel->pkey = index_open(idem_primary_key_index(rel->heap), lockmode);
 }
 
 /*
@@ -907,23 +949,33 @@ idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls, int nrows)
  * waits for do: two of them that each wait here for the other deadlock.
  * So idem_outbox_next_id comes here before its nextval where it can.
  */
+typedef struct SequenceMove
+{
+	Oid			seqid;
+	int64		target;
+	int64		value;			/* the nextval taken under the lock */
+} SequenceMove;
+
+/* sequence_past's work, in its subtransaction */
+static void
+sequence_move_work(void *arg)
+{
+	SequenceMove *move = arg;
+
+	LockRelationOid(move->seqid, ShareRowExclusiveLock);
+	move->value = nextval_internal(move->seqid, false);
+	if (move->value <= move->target)
+		(void) DirectFunctionCall2(setval_oid, ObjectIdGetDatum(move->seqid),
+								   Int64GetDatum(move->target));
+}
+
 static int64
 sequence_past(Oid seqid, int64 target)
 {
-	MemoryContext context = CurrentMemoryContext;
-	ResourceOwner owner = CurrentResourceOwner;
-	int64		value;
+	SequenceMove move = {seqid, target, 0};
 
-	BeginInternalSubTransaction(NULL);
-	MemoryContextSwitchTo(context);
-	LockRelationOid(seqid, ShareRowExclusiveLock);
-	value = nextval_internal(seqid, false);
-	if (value <= target)
-		(void) DirectFunctionCall2(setval_oid, ObjectIdGetDatum(seqid), Int64GetDatum(target));
-	RollbackAndReleaseCurrentSubTransaction();
-	MemoryContextSwitchTo(context);
-	CurrentResourceOwner = owner;
-	return value > target ? value : nextval_internal(seqid, false);
+	(void) idem_subxact_run(sequence_move_work, &move, SUBXACT_ROLL_BACK, NULL);
+	return move.value > target ? move.value : nextval_internal(seqid, false);
 }
 
 /*

@@ -56,7 +56,11 @@ typedef enum EventsColumn
 	Natts_events = Anum_events_expires_at
 } EventsColumn;
 
-/* Column numbers of idempotency.outbox. */
+/*
+ * Column numbers of idempotency.outbox.  failures came with 1.2: a database
+ * still at 1.1 has the first Natts_outbox_1_1 columns only (see
+ * OutboxSchema in outbox_sql.h).
+ */
 typedef enum OutboxColumn
 {
 	Anum_outbox_id = 1,
@@ -70,7 +74,9 @@ typedef enum OutboxColumn
 	Anum_outbox_available_at,
 	Anum_outbox_last_error,
 	Anum_outbox_published_at,
-	Natts_outbox = Anum_outbox_published_at
+	Anum_outbox_failures,
+	Natts_outbox = Anum_outbox_failures,
+	Natts_outbox_1_1 = Anum_outbox_published_at
 } OutboxColumn;
 
 /* An open table with its primary key (and, once needed, all its indexes). */
@@ -136,7 +142,7 @@ typedef struct ProbeResult
 } ProbeResult;
 
 extern Relation idem_outbox_open(LOCKMODE lockmode);
-extern Oid	idem_outbox_owner(void);
+extern Oid	idem_outbox_owner(int *natts);
 extern const ExpectedTable *idem_table_def(IdemTable table);
 extern bool idem_table_distributed(IdemTable table);
 extern Oid	idem_table_shard_for(IdemTable table, text *value, LOCKMODE lockmode,

@@ -76,6 +76,7 @@
 #include "storage/lwlock.h"
 #include "storage/shmem.h"
 #include "utils/builtins.h"
+#include "utils/guc.h"
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 
@@ -384,6 +385,15 @@ claim_wait_start(ClaimWait *wait, FunctionCallInfo fcinfo, int wait_argno,
 							   DatumGetCString(DirectFunctionCall1(interval_out,
 																   IntervalPGetDatum(span)))),
 					 errhint("Give 0 or NULL to answer in_progress at once.")));
+		if (deadline > idem_timestamp_plus(now, idem_interval_from_ms(idem_max_wait_ms)))
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("wait must not exceed idempotency.max_wait (%s)",
+							GetConfigOptionByName("idempotency.max_wait", NULL, false)),
+					 errdetail("The value given was \"%s\".",
+							   DatumGetCString(DirectFunctionCall1(interval_out,
+																   IntervalPGetDatum(span)))),
+					 errhint("A waiting claim holds its connection: wait less and let the client retry, or raise the setting.")));
 		if (deadline > now)
 			wait->deadline = deadline;
 	}

@@ -21,6 +21,7 @@
 
 #include "miscadmin.h"
 #include "utils/guc.h"
+#include "utils/memutils.h"
 
 #include "compat.h"
 #include "infra/guc.h"
@@ -44,6 +45,8 @@ int			idem_publish_batch_size = 100;
 char	   *idem_databases = NULL;
 int			idem_max_databases = 32;
 int			idem_wait_slots = -1;
+int			idem_max_response_bytes = 1024 * 1024;
+int			idem_max_wait_ms = 60 * 1000;
 
 static char *release_statuses_string = NULL;
 
@@ -213,6 +216,46 @@ idem_define_gucs(void)
 							GUC_UNIT_MS,
 							NULL, NULL, NULL);
 
+	/*
+	 * A stored body stays in the keys table until its key expires (a day by
+	 * default) and is sent again on every replay: one client storing
+	 * downloads would bloat the table and every replay's memory.  1MB is
+	 * far above a JSON API's answer; the largest a text can be (1GB) lifts
+	 * the cap.  PGC_SUSET: the cap protects the server from the application,
+	 * so the application's role cannot raise it by itself (ALTER ROLE ... SET
+	 * by a superuser, or GRANT SET ON PARAMETER, can).
+	 */
+	DefineCustomIntVariable("idempotency.max_response_bytes",
+							"Largest response body that idem_complete stores.",
+							"Counted in bytes of the body as text.  A larger body "
+							"to store is refused with SQLSTATE 54000, and nothing "
+							"is written; a body that idem_complete releases "
+							"(idempotency.release_statuses) is not stored and not "
+							"counted.  Range: 1 byte to 1GB.",
+							&idem_max_response_bytes,
+							1024 * 1024, 1, MaxAllocSize,
+							PGC_SUSET,
+							GUC_UNIT_BYTE,
+							NULL, NULL, NULL);
+
+	/*
+	 * A claim that waits keeps its connection busy, and in the one-transaction
+	 * mode its transaction open: a pool of a few connections is exhausted by
+	 * a few waiters.  A minute, the default lease, is the most a wait needs
+	 * by default: a wait ends when the holder's lease runs out anyway, and
+	 * HTTP clients and proxies give up on a request after about as long.
+	 * PGC_SUSET for the same reason as max_response_bytes.
+	 */
+	DefineCustomIntVariable("idempotency.max_wait",
+							"Longest wait that idem_claim accepts.",
+							"A larger wait argument is refused with SQLSTATE 22023.  "
+							"Range: 0 (no waiting at all) to 2147483647 ms (24 days).",
+							&idem_max_wait_ms,
+							60 * 1000, 0, INT_MAX,
+							PGC_SUSET,
+							GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
 	DefineCustomStringVariable("idempotency.release_statuses",
 							   "HTTP status codes that idem_complete releases instead of storing.",
 							   "A comma-separated list of codes and inclusive ranges "
@@ -260,9 +303,12 @@ idem_define_gucs(void)
 							NULL, NULL, NULL);
 
 	DefineCustomIntVariable("idempotency.outbox_max_attempts",
-							"Attempts after which an outbox row is dead.",
-							"A dead row keeps holding back the later rows of its "
-							"key until idem_outbox_requeue or idem_outbox_discard.",
+							"Failed tries after which an outbox row is dead.",
+							"Failed tries are nacks, leases run out and failed "
+							"publications (the outbox's failures column; from 1.2, "
+							"hand-outs alone do not count).  A dead row keeps holding "
+							"back the later rows of its key until idem_outbox_requeue "
+							"or idem_outbox_discard.",
 							&idem_outbox_max_attempts,
 							10, 1, INT_MAX,
 							PGC_SUSET,

@@ -47,6 +47,12 @@ extern int	idem_max_databases;
 /* idempotency.wait_slots: -1 for twice MaxBackends */
 extern int	idem_wait_slots;
 
+/* idempotency.max_response_bytes: the largest body idem_complete stores */
+extern int	idem_max_response_bytes;
+
+/* idempotency.max_wait, in milliseconds: the largest wait idem_claim takes */
+extern int	idem_max_wait_ms;
+
 extern void idem_define_gucs(void);
 
 /* Is this HTTP status transient (released, not stored)?  See release_statuses. */

@@ -131,8 +131,8 @@ is(call(qq{SELECT state || ':' || last_error FROM idempotency.outbox WHERE id = 
 is(call(qq{SELECT idempotency.idem_outbox_nack($last, 'again', 1)}), 'f',
 	'a second nack finds it not leased');
 is(call(qq{SELECT idempotency.idem_outbox_requeue($last)}), 't', 'a requeue through the coordinator');
-is(call(qq{SELECT state || ':' || attempts FROM idempotency.outbox WHERE id = $last}), 'pending:0',
-	'makes it pending again');
+is(call(qq{SELECT state || ':' || attempts || ':' || failures FROM idempotency.outbox WHERE id = $last}),
+	'pending:1:0', 'makes it pending again, its failures reset and its attempts (the fence) kept');
 call(qq{SELECT count(*) FROM idempotency.idem_outbox_fetch('$pull2')});
 call(qq{SELECT idempotency.idem_outbox_nack($last, 'still down')});
 is(call(qq{SELECT idempotency.idem_outbox_discard($last)}), 't', 'a discard through the coordinator');

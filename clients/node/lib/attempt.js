@@ -14,7 +14,10 @@ class Attempt {
     this.scope = scope;
     this.key = key;
     this.fingerprint = fingerprint;
-    this.client = null; // one-transaction: the client inside BEGIN
+    this.client = null; // one-transaction: the client inside BEGIN, while it is ours
+    this.transaction = null; // one-transaction: the same client, for the handler
+    this.lost = null; // one-transaction: the error that ended its connection
+    this.utf8 = true; // one-transaction: whether the database is in UTF8 (P.literal)
     this.attempt = null;
     this.recoveryPoint = null;
     this.heartbeat = null;
@@ -29,10 +32,12 @@ class Attempt {
     let claim;
     if (s.mode === 'one-transaction') {
       const client = await s.pool.connect();
+      watch(client);
       try {
         // BEGIN and the claim in one round trip (the simple protocol, so
         // the arguments are literals)
-        const [, result] = await client.query(`BEGIN; ${P.inline(client, P.CLAIM, args)}`);
+        this.utf8 = await P.utf8Database(s.pool, client);
+        const [, result] = await client.query(`BEGIN; ${P.inline(P.CLAIM, args, this.utf8)}`);
         [claim] = result.rows;
       } catch (error) {
         await this.#rollback(client);
@@ -45,6 +50,8 @@ class Attempt {
         return P.answerTo(claim);
       }
       this.client = client;
+      this.transaction = client;
+      client.on('error', this.#onLost);
     } else {
       ({ rows: [claim] } = await s.pool.query(P.CLAIM, args));
       if (claim.outcome !== 'claimed') return P.answerTo(claim);
@@ -58,7 +65,7 @@ class Attempt {
 
   // Where the handler writes: the transaction, or the pool in two-transaction mode
   get db() {
-    return this.client ?? this.settings.pool;
+    return this.transaction ?? this.settings.pool;
   }
 
   // Records how far the handler got (two-transaction mode)
@@ -74,25 +81,48 @@ class Attempt {
     if (!this.open) return null;
     this.open = false;
     const s = this.settings;
-    if (this.client) {
+    if (s.mode === 'one-transaction') {
       const client = this.client;
       this.client = null;
+      if (this.lost) {
+        // nothing was committed, and the key was never claimed for others
+        if (failed) return null;
+        s.log(`pg-idempotency: the response to key "${this.key}" was not stored: the connection was lost: ${this.lost.message}`);
+        return problemAnswer(500, 'Response not stored',
+          'The request could not be completed; nothing was kept, and it may be retried.');
+      }
       if (failed) {
         await this.#rollback(client);
         return null;
       }
       try {
-        // the completion and COMMIT in one round trip; a released key (a
-        // transient answer) must not commit what the handler wrote, so the
-        // guard's division by zero aborts the transaction before COMMIT
         const stored = P.storedResponse(s, headers, body);
-        await client.query(`${P.inline(client, P.COMPLETE_OR_ABORT,
-          [this.scope, this.key, status, stored.body, JSON.stringify(stored.headers), this.attempt])}; COMMIT`);
-        client.release();
+        const args = [this.scope, this.key, status, stored.body, JSON.stringify(stored.headers), this.attempt];
+        if (P.likelyStored(status)) {
+          // the completion and COMMIT in one round trip; should the
+          // server's policy release the answer after all, the guard's
+          // division by zero aborts the transaction before COMMIT
+          await client.query(`${P.inline(P.COMPLETE_OR_ABORT, args, this.utf8)}; COMMIT`);
+        } else {
+          // an answer the default policy releases: no COMMIT unless the
+          // server stores it, and no ERROR in the server's log
+          const { rows: [{ done }] } = await client.query(P.COMPLETE, args);
+          if (done !== 'stored') {
+            await this.#rollback(client);
+            return null; // nothing the handler wrote remains
+          }
+          await client.query('COMMIT');
+        }
+        this.#giveBack(client);
         return null;
       } catch (error) {
         await this.#rollback(client);
         if (error.code === P.RELEASED) return null; // nothing the handler wrote remains
+        if (error.code === P.TOO_LARGE) {
+          // the claim went with the handler's writes: the key is free again
+          s.log(`pg-idempotency: the response to key "${this.key}" in scope "${this.scope}" was too large to store, and the handler's transaction was rolled back: ${error.message}`);
+          return tooLarge();
+        }
         s.log(`pg-idempotency: the response to key "${this.key}" could not be stored, and the handler's transaction was rolled back: ${error.message}`);
         return problemAnswer(500, 'Response not stored',
           'The request could not be completed; nothing was kept, and it may be retried.');
@@ -113,7 +143,10 @@ class Attempt {
         return problemAnswer(409, 'Idempotency-Key taken over',
           'This attempt lost its claim of the Idempotency-Key to a retry; its answer was not stored.');
       }
-      s.log(`pg-idempotency: the response to key "${this.key}" was not stored: ${error.message}`);
+      // too large to store (P.TOO_LARGE) or any other failure: the
+      // handler's answer goes to the client as it is, the key is released
+      const why = error.code === P.TOO_LARGE ? 'was too large to store' : 'was not stored';
+      s.log(`pg-idempotency: the response to key "${this.key}" in scope "${this.scope}" ${why}, and the key was released: ${error.message}`);
       await this.#release();
       return null;
     }
@@ -123,10 +156,10 @@ class Attempt {
   async abandon() {
     if (!this.open) return;
     this.open = false;
-    if (this.client) {
+    if (this.settings.mode === 'one-transaction') {
       const client = this.client;
       this.client = null;
-      await this.#rollback(client);
+      if (client) await this.#rollback(client);
     } else {
       this.#stopHeartbeat();
       await this.#release();
@@ -141,8 +174,30 @@ class Attempt {
     } catch (error) {
       broken = error;
     }
+    this.#giveBack(client, broken);
+  }
+
+  #giveBack(client, broken) {
+    client.removeListener('error', this.#onLost);
+    if (!broken) unwatch(client); // a broken one may still emit 'error'
     client.release(broken);
   }
+
+  // The connection of the handler's transaction was lost (a server
+  // restart, pg_terminate_backend, idle_in_transaction_session_timeout):
+  // the client goes back to the pool as broken (the pool discards it) as
+  // soon as the connection has ended, so that a handler that never answers
+  // holds no pooled client; the handler's next query on it fails. Not
+  // before the end: an error still on its way (pgbouncer sends its own
+  // after the server's) would reach the pool's listener, which emits it on
+  // the pool.
+  #onLost = (error) => {
+    const client = this.client;
+    if (!client) return; // finish or abandon owns it now
+    this.client = null;
+    this.lost = error;
+    client.once('end', () => this.#giveBack(client, error));
+  };
 
   async #release() {
     try {
@@ -173,6 +228,29 @@ class Attempt {
   }
 }
 
+// A pooled client in a handler's hands: node-postgres emits 'error' on it
+// when its connection is lost while no query runs (a server restart, a
+// terminated backend, idle_in_transaction_session_timeout), and an 'error'
+// nobody listens to ends the process. The pool listens only to its idle
+// clients; this listener keeps the process up, and the client's next query
+// fails instead, which the handler or the ROLLBACK sees.
+function ignoreLostConnection() {}
+
+function watch(client) {
+  client.on('error', ignoreLostConnection);
+}
+
+function unwatch(client) {
+  client.removeListener('error', ignoreLostConnection);
+}
+
+// One-transaction mode: idem_complete refused the body
+// (idempotency.max_response_bytes) and everything was rolled back
+function tooLarge() {
+  return problemAnswer(500, 'Response too large to store',
+    'The response was too large to store (idempotency.max_response_bytes): nothing was done, and the request may be retried.');
+}
+
 function problemAnswer(status, title, detail) {
   return {
     status,
@@ -181,4 +259,4 @@ function problemAnswer(status, title, detail) {
   };
 }
 
-module.exports = { Attempt, problemAnswer };
+module.exports = { Attempt, problemAnswer, watch, unwatch };

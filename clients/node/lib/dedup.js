@@ -3,6 +3,7 @@
 // commit in one transaction, so a redelivered message is handled once.
 
 const { interval } = require('./protocol');
+const { watch, unwatch } = require('./attempt');
 
 const MARK = 'SELECT idempotency.idem_mark_processed($1, $2, $3::interval) AS first';
 const MARK_BATCH = `SELECT event_id
@@ -22,6 +23,7 @@ function consumerOptions(options = {}) {
 // Runs fn(db) inside BEGIN ... COMMIT on a pooled client; ROLLBACK if it throws
 async function inTransaction(pool, fn) {
   const client = await pool.connect();
+  watch(client);
   let broken;
   try {
     await client.query('BEGIN');
@@ -32,6 +34,7 @@ async function inTransaction(pool, fn) {
     await client.query('ROLLBACK').catch((rollbackError) => { broken = rollbackError; });
     throw error;
   } finally {
+    unwatch(client);
     client.release(broken);
   }
 }

@@ -123,7 +123,12 @@ function holdResponse(res, attempt) {
     if (chunk !== undefined && chunk !== null) chunks.push(toBuffer(chunk, encoding));
     const body = Buffer.concat(chunks);
     attempt.finish(res.statusCode, res.getHeaders(), body)
-      .catch((error) => problemAnswer(500, 'Internal Server Error', error.message))
+      .catch((error) => {
+        // logged, not sent: the client learns nothing of the server's insides
+        attempt.settings.log(`pg-idempotency: the response to key "${attempt.key}" was not stored: ${error.message}`);
+        return problemAnswer(500, 'Response not stored',
+          'The request could not be completed; nothing was kept, and it may be retried.');
+      })
       .then((answer) => {
         res.writeHead = writeHead;
         res.write = write;

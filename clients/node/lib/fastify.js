@@ -3,7 +3,8 @@
 // Not encapsulated (what fastify-plugin does, by the symbols Fastify reads,
 // so the package needs no dependency): its hooks apply to the context it is
 // registered in, the whole app when registered on it. Per route:
-// config: { idempotency: { required: true, mode: 'two-transaction', ... } }.
+// config: { idempotency: { required: true, mode: 'two-transaction', ... } },
+// or config: { idempotency: false } for a route the plugin leaves alone.
 //
 //   preParsing  keeps the request body's bytes, for the fingerprint
 //   preHandler  claims the key: replay, 409 and 422 are answered here
@@ -23,6 +24,7 @@ async function idempotency(fastify, options) {
   const perRoute = new WeakMap(); // a route's config.idempotency -> its settings
   const settingsOf = (request) => {
     const config = request.routeOptions.config?.idempotency;
+    if (config === false) return null; // the route opts out
     if (!config) return base;
     let s = perRoute.get(config);
     if (!s) perRoute.set(config, s = P.settings({ ...options, ...config }));
@@ -33,7 +35,7 @@ async function idempotency(fastify, options) {
 
   fastify.addHook('preParsing', async (request, reply, payload) => {
     const s = settingsOf(request);
-    if (!s.methods.has(request.method) || request.headers['idempotency-key'] === undefined) return payload;
+    if (!s?.methods.has(request.method) || request.headers['idempotency-key'] === undefined) return payload;
     const limit = request.routeOptions.bodyLimit ?? s.limit;
     const chunks = [];
     let length = 0;
@@ -56,7 +58,7 @@ async function idempotency(fastify, options) {
 
   fastify.addHook('preHandler', async (request, reply) => {
     const s = settingsOf(request);
-    if (!s.methods.has(request.method)) return undefined;
+    if (!s?.methods.has(request.method)) return undefined;
     const read = P.readKey(request.headers['idempotency-key']);
     if (read.missing) {
       if (!s.required) return undefined;
@@ -98,9 +100,16 @@ async function idempotency(fastify, options) {
     return answer.body;
   });
 
-  // a reply that bypassed onSend (hijacked) still lets go of its key
+  // A reply that bypassed onSend (reply.hijack()) was sent before any
+  // commit, and its answer is unknown: the transaction is rolled back and
+  // the key released, which the log says (a route that hijacks its reply
+  // opts out with config: { idempotency: false })
   fastify.addHook('onResponse', async (request) => {
-    await request[ATTEMPT]?.abandon();
+    const attempt = request[ATTEMPT];
+    if (!attempt?.open) return;
+    attempt.settings.log(`pg-idempotency: the reply to key "${attempt.key}" was sent around the plugin `
+      + '(reply.hijack()): nothing was stored, and the transaction was rolled back');
+    await attempt.abandon();
   });
 }
 

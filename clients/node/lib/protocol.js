@@ -18,10 +18,18 @@ const CLAIM = `SELECT c.outcome, c.status_code, c.body, c.headers, c.attempt, c.
        (extract(epoch FROM c.lease_expires_at - clock_timestamp()) * 1000)::float8 AS lease_left_ms
 FROM idempotency.idem_claim($1, $2, $3, $4::interval, $5::interval, $6::interval) AS c`;
 const COMPLETE = 'SELECT idempotency.idem_complete($1, $2, $3, $4, $5, $6) AS done';
-// One-transaction mode: COMMIT follows in the same query string, and must
-// not run when the answer was released instead of stored (SQLSTATE RELEASED)
+// One-transaction mode, an answer the default policy stores: COMMIT
+// follows in the same query string, and must not run if the server's
+// policy (idempotency.release_statuses, which only idem_complete reads)
+// releases it after all; then the division by zero (SQLSTATE RELEASED)
+// aborts the transaction before COMMIT. The server logs that ERROR, so the
+// answers the default policy releases take the path without the guard
+// (idem_complete, then COMMIT or ROLLBACK: one more round trip, on a
+// failure only): see likelyStored.
 const COMPLETE_OR_ABORT = `SELECT 1 / (idempotency.idem_complete($1, $2, $3, $4, $5::jsonb, $6) = 'stored')::int`;
 const RELEASED = '22012';
+// idem_complete refused a body over idempotency.max_response_bytes
+const TOO_LARGE = '54000';
 const RELEASE = 'SELECT idempotency.idem_release($1, $2, $3)';
 const CHECKPOINT = 'SELECT idempotency.idem_checkpoint($1, $2, $3, $4)';
 const EXTEND = 'SELECT idempotency.idem_extend_lease($1, $2, $3, $4::interval)';
@@ -30,14 +38,77 @@ const EXTEND = 'SELECT idempotency.idem_extend_lease($1, $2, $3, $4::interval)';
 const LOST_CLAIM = new Set(['22I01', '22I02', '22I03']);
 
 // A statement with its $n parameters as literals, for a query string of
-// several statements (node-postgres sends those by the simple protocol)
-function inline(client, sql, args) {
+// several statements (node-postgres sends those by the simple protocol);
+// utf8: whether the database's encoding is UTF8 (see literal)
+function inline(sql, args, utf8 = true) {
   return sql.replace(/\$(\d+)/g, (_, n) => {
     const value = args[n - 1];
     if (value === null || value === undefined) return 'NULL';
-    if (typeof value === 'number') return String(value);
-    return client.escapeLiteral(String(value));
+    if (Number.isSafeInteger(value)) return String(value);
+    return literal(String(value), utf8);
   });
+}
+
+// Every character but printable ASCII, the quote and the backslash
+const UNSAFE = /[^\x20-\x26\x28-\x5b\x5d-\x7e]/gu;
+// The quote, the backslash and ASCII's control characters
+const UNSAFE_ASCII = /['\\\x00-\x1f\x7f]/g;
+// A UTF-16 surrogate that is not half of a pair (the u flag reads pairs whole)
+const LONE_SURROGATE = /[\ud800-\udfff]/u;
+
+// A string as an SQL literal: E'...' with quotes and backslashes doubled
+// and any other character outside printable ASCII as a \uXXXX or
+// \UXXXXXXXX escape, so printable ASCII only. The server reads it the same
+// whatever the session's settings: no byte of it can be taken for the
+// second byte of a multibyte character (as SJIS, BIG5 or GBK would take a
+// backslash after a lead byte, were a handler to SET client_encoding), an
+// E'' string reads its backslashes whatever standard_conforming_strings
+// says, and a quote is doubled, never \' (which backslash_quote may
+// refuse). A NUL character (\u0000) is refused by the server, as
+// PostgreSQL text has none. node-postgres's escapeLiteral is right for a
+// UTF-8 session only.
+//
+// A \u escape above U+007F needs a database that can convert it, which
+// SQL_ASCII cannot: for a database not in UTF8 (utf8 false), characters
+// beyond ASCII go as they are, in the session's UTF-8 (node-postgres sets
+// client_encoding), and only ASCII's are escaped. A handler that sets a
+// client_encoding such as SJIS there still cannot end the literal early:
+// a quote is never the second byte of a character, and a backslash taken
+// for one leaves a \' that backslash_quote refuses by default.
+function literal(text, utf8 = true) {
+  if (LONE_SURROGATE.test(text)) {
+    throw new TypeError('pg-idempotency: a string with a lone UTF-16 surrogate has no UTF-8 form');
+  }
+  return `E'${text.replace(utf8 ? UNSAFE : UNSAFE_ASCII, escapeCharacter)}'`;
+}
+
+function escapeCharacter(c) {
+  if (c === "'") return "''";
+  if (c === '\\') return '\\\\';
+  const code = c.codePointAt(0);
+  return code > 0xffff
+    ? `\\U${code.toString(16).padStart(8, '0')}`
+    : `\\u${code.toString(16).padStart(4, '0')}`;
+}
+
+// Whether a pool's database is in UTF8, asked once per pool on a client of
+// it (before the client's first query string with literals)
+const UTF8_DATABASE = new WeakMap();
+async function utf8Database(pool, client) {
+  let known = UTF8_DATABASE.get(pool);
+  if (known === undefined) {
+    const { rows: [row] } = await client.query("SELECT current_setting('server_encoding') = 'UTF8' AS utf8");
+    known = row.utf8;
+    UTF8_DATABASE.set(pool, known);
+  }
+  return known;
+}
+
+// Whether the extension's default idempotency.release_statuses (408, 425,
+// 429, 500-599) stores an answer. Only a guess, to pick the path with the
+// fewest round trips: idem_complete decides, under the server's policy.
+function likelyStored(status) {
+  return status < 500 && status !== 408 && status !== 425 && status !== 429;
 }
 
 // A duration option: milliseconds, or a PostgreSQL interval as text
@@ -80,7 +151,9 @@ function problem(status, title, detail) {
 }
 
 // The key of a request: { key } when it has a usable one, { missing: true },
-// or { error } (a problem to answer with 400)
+// or { error } (a problem to answer with 400). Node reads a header's bytes
+// as latin1, one character each: the key is those bytes read as UTF-8, as
+// every adapter reads them, and its length is theirs.
 function readKey(header) {
   if (header === undefined) return { missing: true };
   let key = Array.isArray(header) ? header.join(', ') : String(header);
@@ -88,11 +161,17 @@ function readKey(header) {
   if (key.length >= 2 && key.startsWith('"') && key.endsWith('"')) {
     key = key.slice(1, -1).replace(/\\(["\\])/g, '$1');
   }
-  if (key === '') return { error: problem(400, 'Invalid Idempotency-Key', 'The Idempotency-Key header is empty.') };
-  if (Buffer.byteLength(key) > MAX_BYTES) {
+  // bytes as Node read them; a string with wider characters (an injected
+  // request, say) is text already
+  const bytes = /[^\x00-\xff]/.test(key) ? Buffer.from(key, 'utf8') : Buffer.from(key, 'latin1');
+  if (bytes.length === 0) return { error: problem(400, 'Invalid Idempotency-Key', 'The Idempotency-Key header is empty.') };
+  if (bytes.length > MAX_BYTES) {
     return { error: problem(400, 'Invalid Idempotency-Key', `The Idempotency-Key header is longer than ${MAX_BYTES} bytes.`) };
   }
-  return { key };
+  if (!isUtf8(bytes)) {
+    return { error: problem(400, 'Invalid Idempotency-Key', 'The Idempotency-Key header is not UTF-8.') };
+  }
+  return { key: bytes.toString('utf8') };
 }
 
 const MISSING_KEY = problem(400, 'Idempotency-Key required', 'This request requires an Idempotency-Key header.');
@@ -112,6 +191,8 @@ function pathOf(url) {
 // A scope over 255 bytes is replaced by its hash
 function boundScope(scope) {
   scope = String(scope);
+  // refused here too: its hash would be that of U+FFFD in its place
+  if (LONE_SURROGATE.test(scope)) throw new TypeError('pg-idempotency: a scope with a lone UTF-16 surrogate has no UTF-8 form');
   if (Buffer.byteLength(scope) <= MAX_BYTES) return scope;
   return 'sha256:' + createHash('sha256').update(scope, 'utf8').digest('hex');
 }
@@ -185,7 +266,7 @@ function answerTo(claim) {
 }
 
 module.exports = {
-  CLAIM, COMPLETE, COMPLETE_OR_ABORT, RELEASED, RELEASE, CHECKPOINT, EXTEND, LOST_CLAIM, MISSING_KEY,
-  inline, interval, settings, problem, readKey, principalOf, pathOf, boundScope,
+  CLAIM, COMPLETE, COMPLETE_OR_ABORT, RELEASED, TOO_LARGE, RELEASE, CHECKPOINT, EXTEND, LOST_CLAIM, MISSING_KEY,
+  inline, literal, utf8Database, likelyStored, interval, settings, problem, readKey, principalOf, pathOf, boundScope,
   storedResponse, answerTo, claimArgs,
 };

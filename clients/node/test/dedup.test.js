@@ -6,16 +6,14 @@ const { test, before, after } = require('node:test');
 const assert = require('node:assert/strict');
 const { randomUUID } = require('node:crypto');
 const { dedup, dedupBatch } = require('..');
-const { pool, gate, waitFor } = require('./support');
+const { pool, createTables, gate, waitFor } = require('./support');
 
 async function applied(consumer) {
   const { rows } = await pool.query('SELECT event FROM node_applied WHERE consumer = $1 ORDER BY id', [consumer]);
   return rows.map((row) => row.event);
 }
 
-before(async () => {
-  await pool.query('CREATE TABLE IF NOT EXISTS node_applied (id serial PRIMARY KEY, consumer text, event text)');
-});
+before(createTables);
 
 after(() => pool.end());
 

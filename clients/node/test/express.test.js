@@ -8,7 +8,7 @@ const assert = require('node:assert/strict');
 const { randomUUID } = require('node:crypto');
 const express = require('express');
 const idempotency = require('..');
-const { pool, listen, request, gate, waitFor } = require('./support');
+const { pool, createTables, listen, request, gate, waitFor } = require('./support');
 
 const KEYS = 'SELECT scope, attempt, recovery_point, lease_expires_at, status_code, headers FROM idempotency.keys WHERE key = $1';
 
@@ -17,9 +17,7 @@ async function count(label) {
   return n;
 }
 
-before(async () => {
-  await pool.query('CREATE TABLE IF NOT EXISTS node_items (id serial PRIMARY KEY, label text NOT NULL)');
-});
+before(createTables);
 
 after(() => pool.end());
 
@@ -245,6 +243,124 @@ test('two transactions: a retry takes over with the recovery point; the stale at
     assert.ok(replay.body.equals(retry.body));
   } finally {
     held.open();
+    await server.close();
+  }
+});
+
+test('the server\'s release policy decides, whichever path the default policy suggests', async () => {
+  // the handler sets the policy in its transaction, where idem_complete reads it
+  const app = express();
+  app.set('env', 'test');
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool }));
+  app.post('/policy', async (req, res) => {
+    await req.idempotency.db.query("SELECT set_config('idempotency.release_statuses', $1, true)", [req.body.policy]);
+    await req.idempotency.db.query('INSERT INTO node_items (label) VALUES ($1)', [req.body.label]);
+    res.status(req.body.status).json({ label: req.body.label });
+  });
+  const server = await listen(app);
+  try {
+    // a 409 released by the policy: rolled back (through the guard), not stored
+    const released = { policy: '409', status: 409, label: randomUUID() };
+    const key = randomUUID();
+    assert.equal((await request(server, { path: '/policy', key, body: released })).status, 409);
+    assert.equal(await count(released.label), 0);
+    assert.deepEqual((await pool.query(KEYS, [key])).rows, []);
+    // a 503 stored by the policy: committed, and replayed
+    const kept = { policy: '', status: 503, label: randomUUID() };
+    const other = randomUUID();
+    const first = await request(server, { path: '/policy', key: other, body: kept });
+    assert.equal(first.status, 503);
+    assert.equal(await count(kept.label), 1);
+    const replay = await request(server, { path: '/policy', key: other, body: kept });
+    assert.equal(replay.status, 503);
+    assert.equal(replay.headers['idempotent-replayed'], 'true');
+    assert.ok(replay.body.equals(first.body));
+  } finally {
+    await server.close();
+  }
+});
+
+test('res.flushHeaders() sends nothing before the commit: the status stored is the status sent', async () => {
+  const app = express();
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool }));
+  app.post('/flush', (req, res) => {
+    res.flushHeaders();
+    res.status(201).json({ flushed: true });
+  });
+  const server = await listen(app);
+  try {
+    const key = randomUUID();
+    const first = await request(server, { path: '/flush', key, body: {} });
+    assert.equal(first.status, 201);
+    const replay = await request(server, { path: '/flush', key, body: {} });
+    assert.equal(replay.status, 201);
+    assert.ok(replay.body.equals(first.body));
+  } finally {
+    await server.close();
+  }
+});
+
+test('a COMMIT that fails: the client gets 500 instead of the handler\'s 201, nothing remains, the key is free', async () => {
+  const logged = [];
+  const app = express();
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool, log: (message) => logged.push(message) }));
+  app.post('/deferred', async (req, res) => {
+    // checked at COMMIT only: the handler's answer is already written
+    const times = req.body.twice ? 2 : 1;
+    for (let i = 0; i < times; i++) {
+      await req.idempotency.db.query('INSERT INTO node_deferred (label) VALUES ($1)', [req.body.label]);
+    }
+    res.status(201).json({ label: req.body.label });
+  });
+  const server = await listen(app);
+  try {
+    const label = randomUUID();
+    const key = randomUUID();
+    const failed = await request(server, { path: '/deferred', key, body: { label, twice: true } });
+    assert.equal(failed.status, 500);
+    assert.equal(failed.headers['content-type'], 'application/problem+json');
+    assert.match(logged.join('\n'), /node_deferred_once/);
+    assert.deepEqual((await pool.query('SELECT * FROM node_deferred WHERE label = $1', [label])).rows, []);
+    assert.deepEqual((await pool.query(KEYS, [key])).rows, []);
+    // the same key again (another body, as nothing was stored): it runs
+    assert.equal((await request(server, { path: '/deferred', key, body: { label } })).status, 201);
+  } finally {
+    await server.close();
+  }
+});
+
+// fails before the fix in any version that committed the handler's writes
+// and released the key: the retry would have written the row twice
+test('one transaction: a response too large to store rolls everything back and answers 500; the retry runs again', async () => {
+  const logged = [];
+  const app = express();
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  app.use(idempotency.express({ pool, log: (message) => logged.push(message) }));
+  app.post('/big', async (req, res) => {
+    await req.idempotency.db.query('INSERT INTO node_items (label) VALUES ($1)', [req.body.label]);
+    // PGC_SUSET: the suite's PGUSER is a superuser; for this transaction only
+    await req.idempotency.db.query("SET LOCAL idempotency.max_response_bytes = '1kB'");
+    res.status(201).type('text/plain').send('x'.repeat(2048));
+  });
+  const server = await listen(app);
+  try {
+    const label = randomUUID();
+    const key = randomUUID();
+    for (const attempt of [1, 2]) { // the retry is claimed again: it runs again
+      const refused = await request(server, { path: '/big', key, body: { label } });
+      assert.equal(refused.status, 500, `attempt ${attempt}`);
+      assert.equal(refused.headers['content-type'], 'application/problem+json');
+      assert.equal(refused.headers['idempotent-replayed'], undefined);
+      assert.match(JSON.parse(refused.body).detail, /too large to store.*nothing was done/);
+      assert.equal(await count(label), 0);
+      assert.deepEqual((await pool.query(KEYS, [key])).rows, []);
+      assert.equal(logged.length, attempt);
+      assert.match(logged.at(-1), new RegExp(`key "${key}" in scope ".*POST /big" was too large to store`));
+    }
+  } finally {
     await server.close();
   }
 });

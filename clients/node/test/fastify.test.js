@@ -9,7 +9,7 @@ const { randomUUID } = require('node:crypto');
 const { Readable } = require('node:stream');
 const Fastify = require('fastify');
 const idempotency = require('..');
-const { pool, listenFastify, request, gate, waitFor } = require('./support');
+const { pool, createTables, listenFastify, request, gate, waitFor } = require('./support');
 
 const KEYS = 'SELECT scope, attempt, status_code, headers FROM idempotency.keys WHERE key = $1';
 
@@ -18,9 +18,7 @@ async function count(label) {
   return n;
 }
 
-before(async () => {
-  await pool.query('CREATE TABLE IF NOT EXISTS node_items (id serial PRIMARY KEY, label text NOT NULL)');
-});
+before(createTables);
 
 after(() => pool.end());
 
@@ -144,6 +142,68 @@ test('a duplicate in flight waits for the first answer (one transaction)', async
     assert.ok(b.body.equals(a.body));
   } finally {
     held.open();
+    await server.close();
+  }
+});
+
+test('a hijacked reply: rolled back, the key released, and logged; a route may opt out', async () => {
+  const logged = [];
+  const app = Fastify();
+  await app.register(idempotency.fastify, { pool, log: (message) => logged.push(message) });
+  app.post('/hijack', async (request, reply) => {
+    await request.idempotency.db.query('INSERT INTO node_items (label) VALUES ($1)', [request.body.label]);
+    reply.hijack();
+    reply.raw.writeHead(201, { 'content-type': 'text/plain' });
+    reply.raw.end('sent around the plugin');
+  });
+  app.post('/alone', { config: { idempotency: false } }, async (request) => ({ transaction: request.idempotency !== null }));
+  const server = await listenFastify(app);
+  try {
+    const label = randomUUID();
+    const key = randomUUID();
+    const hijacked = await request(server, { path: '/hijack', key, body: { label } });
+    assert.equal(hijacked.status, 201);
+    // the transaction ends (rolled back, not committed)
+    await waitFor(`SELECT count(*)::int AS n FROM pg_stat_activity
+                   WHERE datname = current_database() AND state LIKE 'idle in transaction%'`, [], ([row]) => row.n === 0);
+    assert.equal(logged.length, 1);
+    assert.match(logged[0], /reply\.hijack\(\)/);
+    assert.equal(await count(label), 0);
+    assert.deepEqual((await pool.query(KEYS, [key])).rows, []);
+
+    const alone = await request(server, { path: '/alone', key, body: {} });
+    assert.equal(alone.body.toString(), '{"transaction":false}');
+    assert.equal(alone.headers['idempotent-replayed'], undefined);
+  } finally {
+    await server.close();
+  }
+});
+
+test('one transaction: a response too large to store rolls everything back and answers 500; the retry runs again', async () => {
+  const logged = [];
+  const app = Fastify();
+  await app.register(idempotency.fastify, { pool, log: (message) => logged.push(message) });
+  app.post('/big', async (request, reply) => {
+    await request.idempotency.db.query('INSERT INTO node_items (label) VALUES ($1)', [request.body.label]);
+    // PGC_SUSET: the suite's PGUSER is a superuser; for this transaction only
+    await request.idempotency.db.query("SET LOCAL idempotency.max_response_bytes = '1kB'");
+    return reply.code(201).type('text/plain').send('x'.repeat(2048));
+  });
+  const server = await listenFastify(app);
+  try {
+    const label = randomUUID();
+    const key = randomUUID();
+    for (const attempt of [1, 2]) { // the retry is claimed again: it runs again
+      const refused = await request(server, { path: '/big', key, body: { label } });
+      assert.equal(refused.status, 500, `attempt ${attempt}`);
+      assert.equal(refused.headers['content-type'], 'application/problem+json');
+      assert.match(JSON.parse(refused.body).detail, /too large to store.*nothing was done/);
+      assert.equal(await count(label), 0);
+      assert.deepEqual((await pool.query(KEYS, [key])).rows, []);
+      assert.equal(logged.length, attempt);
+      assert.match(logged.at(-1), /too large to store/);
+    }
+  } finally {
     await server.close();
   }
 });

@@ -41,6 +41,20 @@ function request(server, { method = 'POST', path = '/', key, body = '', headers 
   });
 }
 
+// The tables the tests write, made once. node --test runs the files in
+// processes of their own, at once on a machine with more cores: two
+// CREATE TABLE IF NOT EXISTS of one name at once fail (pg_type's unique
+// index), so they take turns on an advisory lock of the transaction.
+function createTables() {
+  return pool.query(`BEGIN;
+    SELECT pg_advisory_xact_lock(hashtext('pg-idempotency tests'));
+    CREATE TABLE IF NOT EXISTS node_items (id serial PRIMARY KEY, label text NOT NULL);
+    CREATE TABLE IF NOT EXISTS node_applied (id serial PRIMARY KEY, consumer text, event text);
+    CREATE TABLE IF NOT EXISTS node_deferred (label text,
+      CONSTRAINT node_deferred_once UNIQUE (label) DEFERRABLE INITIALLY DEFERRED);
+    COMMIT`);
+}
+
 // A promise with its resolve, to hold a handler where a test wants it
 function gate() {
   let open;
@@ -59,4 +73,4 @@ async function waitFor(sql, params, check) {
   }
 }
 
-module.exports = { pool, listen, listenFastify, request, gate, waitFor };
+module.exports = { pool, createTables, listen, listenFastify, request, gate, waitFor };

@@ -22,6 +22,10 @@ app.post('/orders', { config: { idempotency: { required: true } } }, async (requ
   return { attempt: context?.attempt };
 });
 
+// @ts-expect-error: the plugin's options need the pool
+void app.register(idempotency.fastify, { mode: 'two-transaction' });
+app.post('/stream', { config: { idempotency: false } }, async () => 'not stored');
+
 // Consumers
 interface Event { id: string; amount: number }
 const consume = idempotency.dedup<Event>(async (event, client) => {

@@ -11,10 +11,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
 from http import HTTPStatus
 from typing import Any, Callable, Collection, Generic, Iterable, Mapping, Optional, TypeVar, Union
+
+log = logging.getLogger("pg_idempotency")
 
 R = TypeVar("R")  # the framework's request
 
@@ -90,7 +93,7 @@ class Options(Generic[R]):
         return check_mode(self.mode(request) if callable(self.mode) else self.mode)
 
     def heartbeat_seconds(self) -> float:
-        lease = self.lease or timedelta(minutes=1)  # idempotency.lease's default
+        lease = _interval(self.lease) or timedelta(minutes=1)  # idempotency.lease's default
         return lease.total_seconds() / 3
 
 
@@ -130,6 +133,8 @@ def parse_key(raw: Optional[bytes]) -> Union[str, Answer, None]:
         return problem(400, "the Idempotency-Key header is empty")
     if len(value) > MAX_BYTES:
         return problem(400, f"the Idempotency-Key header is longer than {MAX_BYTES} bytes")
+    if b"\x00" in value:  # a text parameter cannot hold it
+        return problem(400, "the Idempotency-Key header contains a NUL byte")
     try:
         return value.decode("utf-8")
     except UnicodeDecodeError:
@@ -146,9 +151,13 @@ def default_scope(principal: Optional[str], method: str, path: str) -> str:
 
 
 def bounded_scope(scope: str) -> str:
-    """A scope over 255 bytes becomes ``sha256:`` and its hex digest."""
+    """A scope over 255 bytes becomes ``sha256:`` and its hex digest.
+
+    So does one with a NUL character (a path with ``%00``), which no text
+    parameter can hold.
+    """
     raw = scope.encode("utf-8")
-    if len(raw) <= MAX_BYTES:
+    if len(raw) <= MAX_BYTES and "\x00" not in scope:
         return scope
     return "sha256:" + hashlib.sha256(raw).hexdigest()
 
@@ -162,12 +171,12 @@ def principal_of(user: Any) -> Optional[str]:
     """A principal's name: its ``id`` (attribute or item), or the value itself."""
     if user is None:
         return None
-    for get in (lambda: user.id, lambda: user["id"]):
-        try:
-            return str(get())
-        except (AttributeError, KeyError, TypeError, IndexError):
-            pass
-    return str(user)
+    if hasattr(user, "id"):
+        return str(user.id)
+    try:
+        return str(user["id"])
+    except (KeyError, TypeError, IndexError):
+        return str(user)
 
 
 @dataclass
@@ -194,8 +203,7 @@ def not_claimed(claim: Claim) -> Answer:
     if claim.outcome == "replay":
         stored = json.loads(claim.headers) if claim.headers else {}
         body = decode_body(claim.body, stored)
-        headers = [(name, str(value)) for name, value in stored.items() if name != BODY_ENCODING]
-        return Answer(claim.status_code or 200, [*headers, REPLAYED], body)
+        return Answer(claim.status_code or 200, [*replayed_headers(stored), REPLAYED], body)
     if claim.outcome == "in_progress":
         retry_after = max(1, claim.lease_left or 1)
         return problem(409, "a request with this Idempotency-Key is still in progress",
@@ -205,21 +213,61 @@ def not_claimed(claim: Claim) -> Answer:
     raise RuntimeError(f"idem_claim answered {claim.outcome!r}")
 
 
+def too_large(scope: str, key: str, error: BaseException, released: bool) -> Answer:
+    """idem_complete refused the handler's body (idempotency.max_response_bytes): logged.
+
+    One-transaction mode (released False): the caller rolls the whole
+    transaction back, the handler's writes and the claim with it, and
+    answers this 500: nothing was done, and the request may be retried.
+    Two-transaction mode (released True): the key was released, and the
+    handler's own answer goes to the client; this one is not used.
+    """
+    log.warning("idempotency key %r in scope %r: response too large to store, %s: %s",
+                key, scope, "key released" if released else "transaction rolled back", error)
+    return problem(500, "the response was too large to store "
+                        "(idempotency.max_response_bytes): nothing was done, "
+                        "and the request may be retried")
+
+
 def lost_key() -> Answer:
     return problem(409, "this request's Idempotency-Key was taken over by a retry")
 
 
-def stored_headers(headers: Iterable[tuple[str, str]], allow: Collection[str]) -> dict[str, str]:
-    """The allow-listed headers, lower-cased; repeated ones joined with ", "."""
-    kept: dict[str, str] = {}
+# how the body is framed is the server's business on each answer, never stored
+FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
+
+
+StoredHeaders = dict[str, Union[str, list[str]]]
+
+
+def stored_headers(headers: Iterable[tuple[str, str]], allow: Collection[str]) -> StoredHeaders:
+    """The allow-listed headers, lower-cased; one sent more than once as the
+    list of its values (as the Node package stores it), replayed as sent."""
+    kept: StoredHeaders = {}
     for name, value in headers:
         name = name.lower()
-        if name in allow:
-            kept[name] = f"{kept[name]}, {value}" if name in kept else value
+        if name not in allow or name in FRAMING_HEADERS:
+            continue
+        if name not in kept:
+            kept[name] = value
+        else:
+            before = kept[name]
+            kept[name] = [*before, value] if isinstance(before, list) else [before, value]
     return kept
 
 
-def encode_body(body: bytes, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
+def replayed_headers(stored: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The stored headers as (name, value) pairs, a list's values one by one."""
+    pairs = []
+    for name, value in stored.items():
+        if name == BODY_ENCODING:
+            continue
+        for one in value if isinstance(value, list) else [value]:
+            pairs.append((name, str(one)))
+    return pairs
+
+
+def encode_body(body: bytes, headers: StoredHeaders) -> tuple[str, StoredHeaders]:
     """Text when the body is UTF-8 without NUL, else base64 and a marker header."""
     try:
         text = body.decode("utf-8")

@@ -23,9 +23,9 @@ from starlette.requests import Request
 
 from ._protocol import (
     CHECKPOINT, CLAIM, COMPLETE, EXTEND_LEASE, ONE_TRANSACTION, RELEASE, Answer, Claim,
-    Context, IdempotencyKeyLost, Options, bounded_scope, claim_times, complete_params,
+    Context, IdempotencyKeyLost, Options, bounded_scope, check_mode, claim_times, complete_params,
     default_fingerprint, default_scope, is_lost_key, is_too_large, lost_key, missing_key,
-    not_claimed, parse_key,
+    not_claimed, parse_key, too_large,
 )
 
 __all__ = ["IdempotencyMiddleware", "idempotency_connection", "IdempotencyKeyLost"]
@@ -41,11 +41,12 @@ log = logging.getLogger("pg_idempotency")
 
 def idempotency_connection(request: Request) -> AsyncConnection[Any]:
     """FastAPI dependency: the connection inside the claim's transaction."""
-    context = getattr(request.state, "idempotency", None)
-    if context is None or context.conn is None:
+    context: Optional[Context] = getattr(request.state, "idempotency", None)
+    conn: Optional[AsyncConnection[Any]] = None if context is None else context.conn
+    if conn is None:
         raise RuntimeError("no idempotency transaction: the request has no Idempotency-Key, "
                            "or its route is in the two_transaction mode")
-    return context.conn
+    return conn
 
 
 def principal(scope: Scope) -> Optional[str]:
@@ -114,8 +115,9 @@ class IdempotencyMiddleware:
     of doc/http.md: methods, required, scope, fingerprint, wait, lease, ttl,
     mode ("one_transaction" or "two_transaction") and store_headers.
     ``required``, ``mode``, ``scope`` and ``fingerprint`` take a Starlette
-    Request (they may be async; the body is already read:
-    ``await request.body()``).
+    Request and may be async; the last three are called once the body is
+    read (``await request.body()``), ``required`` (asked only when the key
+    is missing) before.
     """
 
     def __init__(self, app: ASGIApp, *, pool: Any, **options: Any) -> None:
@@ -136,21 +138,22 @@ class IdempotencyMiddleware:
             return await _send_answer(send, key)
 
         body = await _read_body(receive)
+        if body is None:  # the client left before its body arrived: nothing to answer
+            return
         request = Request(scope, _replaying(body, receive))
         await request.body()  # read once, cached for the options' functions
         receive = _replaying(body, receive)  # the handler's
         key_scope = bounded_scope(await self._scope(request))
         fingerprint = await self._fingerprint(request, body)
-        mode = self.options.mode_of(request)
+        mode = check_mode(await _maybe_await(
+            self.options.mode(request) if callable(self.options.mode) else self.options.mode))
         params = (key_scope, key, fingerprint, self.options, mode)
         if mode == ONE_TRANSACTION:
-            answer = await self._one_transaction(scope, receive, *params)
+            answer = await self._one_transaction(scope, receive, send, *params)
         else:
-            answer = await self._two_transaction(scope, receive, *params)
-        if isinstance(answer, Answer):
+            answer = await self._two_transaction(scope, receive, send, *params)
+        if answer is not None:
             await _send_answer(send, answer)
-        else:
-            await _send_buffered(send, answer)
 
     async def _scope(self, request: Request) -> str:
         if self.options.scope is not None:
@@ -159,42 +162,94 @@ class IdempotencyMiddleware:
 
     async def _fingerprint(self, request: Request, body: bytes) -> Optional[str]:
         if self.options.fingerprint is not None:
-            return await _maybe_await(self.options.fingerprint(request))
+            fingerprint = await _maybe_await(self.options.fingerprint(request))
+            return None if fingerprint is None else str(fingerprint)
         path = request.scope.get("root_path", "") + request.scope["path"]
         query = request.scope.get("query_string", b"").decode("latin-1")
         return default_fingerprint(request.method, f"{path}?{query}" if query else path, body)
 
-    async def _one_transaction(self, scope: Scope, receive: Receive, key_scope: str, key: str,
-                               fingerprint: Optional[str], options: Options[Request],
-                               mode: str) -> Answer | _Buffered:
+    async def _one_transaction(self, scope: Scope, receive: Receive, send: Send, key_scope: str,
+                               key: str, fingerprint: Optional[str], options: Options[Request],
+                               mode: str) -> Optional[Answer]:
+        """Claim, run the handler, store and commit, then send its response.
+
+        The response is sent as soon as the handler has given all of it and
+        the transaction has committed, not when the handler returns:
+        Starlette's background tasks run after that, outside the transaction.
+        Returns the answer to send when the handler did not run.
+        """
         async with self.pool.connection() as conn:
-            async with conn.transaction():
+            transaction = contextlib.AsyncExitStack()
+            try:
+                await transaction.enter_async_context(conn.transaction())
                 claim = Claim(*await _fetch(conn, CLAIM, (key_scope, key, fingerprint) +
                                             claim_times(options, mode)))
-                if claim.outcome != "claimed":
-                    return not_claimed(claim)
-                scope.setdefault("state", {})["idempotency"] = Context(
-                    key, key_scope, mode, claim.attempt, claim.recovery_point, conn=conn)
-                response = _Buffered()
-                # an exception rolls the transaction back: claim and writes
-                await self.app(scope, receive, response.send)
-                outcome = await self._complete(conn, key_scope, key, response, None)
+            except BaseException as error:
+                await transaction.__aexit__(type(error), error, error.__traceback__)
+                raise
+            if claim.outcome != "claimed":
+                await transaction.aclose()
+                return not_claimed(claim)
+            scope.setdefault("state", {})["idempotency"] = Context(
+                key, key_scope, mode, claim.attempt, claim.recovery_point, conn=conn)
+            response, ended = _Buffered(), False
+
+            async def end(error: Optional[BaseException]) -> None:
+                """Commit (or roll back) once; then the client gets the response."""
+                nonlocal ended
+                if ended:
+                    return
+                ended = True
+                if error is not None:  # claim and writes rolled back
+                    await transaction.__aexit__(type(error), error, error.__traceback__)
+                    return
+                try:
+                    outcome = await self._complete(conn, key_scope, key, response, None)
+                except BaseException as failed:
+                    if not is_too_large(failed):
+                        await transaction.__aexit__(type(failed), failed, failed.__traceback__)
+                        raise
+                    # the handler's writes and the claim go: nothing was done
+                    await transaction.__aexit__(psycopg.Rollback, psycopg.Rollback(), None)
+                    await _send_answer(send, too_large(key_scope, key, failed, released=False))
+                    return
                 if outcome == "released":  # a transient status: undo the writes too
-                    raise psycopg.Rollback()
-        return response
+                    await transaction.__aexit__(psycopg.Rollback, psycopg.Rollback(), None)
+                else:
+                    await transaction.aclose()  # COMMIT: a failure reaches the client as a 500
+                await _send_buffered(send, response)
+
+            async def send_at_end(message: Message) -> None:
+                if ended:
+                    return  # nothing after the response's end
+                await response.send(message)
+                if response.complete:
+                    await end(None)
+
+            try:
+                await self.app(scope, receive, send_at_end)
+                if not ended:
+                    raise _unfinished()
+            except BaseException as error:
+                await end(error)
+                raise
+        return None
 
     async def _complete(self, conn: AsyncConnection[Any], key_scope: str, key: str,
                         response: _Buffered, attempt: Optional[int]) -> str:
+        """idem_complete; a body too large raises in the one-transaction mode
+        (attempt None), and releases the key in the two-transaction mode."""
         params = complete_params(key_scope, key, response.status, response.header_pairs(),
                                  response.body, self.options, attempt)
+        if attempt is None:
+            return str((await _fetch(conn, COMPLETE, params))[0])
         try:
-            async with conn.transaction():  # a savepoint inside the claim's transaction
+            async with conn.transaction():  # a savepoint: the release follows
                 return str((await _fetch(conn, COMPLETE, params))[0])
         except psycopg.errors.ProgramLimitExceeded as error:
             if not is_too_large(error):
                 raise
-            log.warning("idempotency key %r in scope %r: response not stored: %s",
-                        key, key_scope, error)
+            too_large(key_scope, key, error, released=True)
             await _fetch(conn, RELEASE, (key_scope, key, attempt))
             return "too large"
 
@@ -204,9 +259,9 @@ class IdempotencyMiddleware:
             async with conn.transaction():
                 return await _fetch(conn, sql, params)
 
-    async def _two_transaction(self, scope: Scope, receive: Receive, key_scope: str, key: str,
-                               fingerprint: Optional[str], options: Options[Request],
-                               mode: str) -> Answer | _Buffered:
+    async def _two_transaction(self, scope: Scope, receive: Receive, send: Send, key_scope: str,
+                               key: str, fingerprint: Optional[str], options: Options[Request],
+                               mode: str) -> Optional[Answer]:
         claim = Claim(*await self._run(CLAIM, (key_scope, key, fingerprint) +
                                        claim_times(options, mode)))
         if claim.outcome != "claimed":
@@ -226,28 +281,65 @@ class IdempotencyMiddleware:
         context._checkpoint = checkpoint
         scope.setdefault("state", {})["idempotency"] = context
         heartbeat = asyncio.create_task(self._heartbeat(context))
-        response = _Buffered()
-        try:
-            await self.app(scope, receive, response.send)
-        except IdempotencyKeyLost:
-            return lost_key()
-        except BaseException:
-            with contextlib.suppress(psycopg.Error):  # lost already, or the database is gone
-                await self._run(RELEASE, (key_scope, key, attempt))
-            raise
-        finally:
+        response, ended = _Buffered(), False
+
+        async def stop_heartbeat() -> None:
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
+
+        async def end() -> None:
+            """Store the answer (fenced by the attempt), then send it; once."""
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            await stop_heartbeat()
+            try:
+                async with self.pool.connection() as conn:
+                    async with conn.transaction():
+                        await self._complete(conn, key_scope, key, response, attempt)
+            except psycopg.Error as error:
+                if not is_lost_key(error):
+                    raise
+                await _send_answer(send, lost_key())  # a retry took the key over
+                return
+            await _send_buffered(send, response)
+
+        async def send_at_end(message: Message) -> None:
+            if ended:
+                return  # nothing after the response's end
+            await response.send(message)
+            if response.complete:
+                await end()
+
         try:
-            async with self.pool.connection() as conn:
-                async with conn.transaction():
-                    await self._complete(conn, key_scope, key, response, attempt)
-        except psycopg.Error as error:
-            if is_lost_key(error):
-                return lost_key()
+            await self.app(scope, receive, send_at_end)
+        except IdempotencyKeyLost:
+            if ended:
+                raise
+            ended = True
+            await stop_heartbeat()
+            return lost_key()
+        except BaseException:
+            if ended:  # answered already: a background task failed
+                raise
+            ended = True
+            await stop_heartbeat()
+            # shielded: a cancelled request (the server's, or a task group's)
+            # still frees its key rather than leave it to the lease
+            release = asyncio.ensure_future(self._run(RELEASE, (key_scope, key, attempt)))
+            with contextlib.suppress(psycopg.Error):  # lost already, or the database is gone
+                await asyncio.shield(release)
             raise
-        return response
+        finally:
+            if not heartbeat.done():
+                await stop_heartbeat()
+        if not ended:
+            with contextlib.suppress(psycopg.Error):
+                await self._run(RELEASE, (key_scope, key, attempt))
+            raise _unfinished()
+        return None
 
     async def _heartbeat(self, context: Context) -> None:
         """idem_extend_lease every third of the lease, until the key is lost."""
@@ -265,16 +357,27 @@ class IdempotencyMiddleware:
                             context.key, error)
 
 
-async def _read_body(receive: Receive) -> bytes:
+def _unfinished() -> RuntimeError:
+    """The app returned before its response's end (a StreamingResponse whose
+    client left, say): what it sent is not stored, and its writes are undone."""
+    return RuntimeError("the application returned without completing its response")
+
+
+async def _read_body(receive: Receive) -> Optional[bytes]:
+    """The whole request body, or None if the client disconnected first.
+
+    A partial body must not be claimed nor reach the handler: its
+    fingerprint is not the request's, and the handler's answer to it (a
+    400, stored) would be replayed to the client's retry.
+    """
     chunks = []
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            break
+            return None  # http.disconnect
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
+            return b"".join(chunks)
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

@@ -15,7 +15,6 @@ It works with every PostgreSQL driver Django supports (psycopg2, psycopg
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Callable, Optional
 
 from django.conf import settings
@@ -26,21 +25,22 @@ from django.utils.module_loading import import_string
 from ._protocol import (
     CLAIM, COMPLETE, ONE_TRANSACTION, RELEASE, Answer, Claim, Context, IdempotencyKeyLost,
     Options, bounded_scope, claim_times, complete_params, default_fingerprint, default_scope,
-    is_lost_key, is_too_large, lost_key, missing_key, not_claimed, parse_key,
+    is_lost_key, is_too_large, lost_key, missing_key, not_claimed, parse_key, too_large,
 )
 from ._sync import Heartbeat, checkpoint_with
 
 __all__ = ["IdempotencyMiddleware", "IdempotencyKeyLost"]
-
-log = logging.getLogger("pg_idempotency")
 
 
 def _response(answer: Answer) -> HttpResponse:
     response = HttpResponse(answer.body, status=answer.status)
     if not any(name.lower() == "content-type" for name, _ in answer.headers):
         del response["Content-Type"]
+    values: dict[str, list[str]] = {}
     for name, value in answer.headers:
-        response[name] = value
+        values.setdefault(name, []).append(value)
+    for name, sent in values.items():  # a Django response has each name once
+        response[name] = ", ".join(sent)
     return response
 
 
@@ -119,7 +119,15 @@ class IdempotencyMiddleware:
             # Django turns the view's exceptions into responses: a 500
             # releases the key below, and the writes are rolled back
             response = self.get_response(request)
-            outcome = self._complete(request, response, scope, key, None)
+            try:
+                outcome = self._complete(request, response, scope, key, None)
+            except DatabaseError as error:
+                if not is_too_large(error):
+                    raise
+                # the handler's writes and the claim go: nothing was done
+                transaction.set_rollback(True, using=self.using)
+                answer = too_large(scope, key, error, released=False)
+                return _response(answer)
             if outcome == "released":
                 transaction.set_rollback(True, using=self.using)
         return response  # committed: the client may count on it
@@ -133,13 +141,14 @@ class IdempotencyMiddleware:
             body = response.content
         params = complete_params(scope, key, response.status_code, list(response.headers.items()),
                                  body, self.options, attempt)
+        if attempt is None:  # one transaction: a body too large raises
+            return str(self._run(COMPLETE, params)[0])
         try:
             return str(self._run(COMPLETE, params)[0])
         except DatabaseError as error:
             if not is_too_large(error):
                 raise
-            log.warning("idempotency key %r in scope %r: response not stored: %s",
-                        key, scope, error)
+            too_large(scope, key, error, released=True)
             self._run(RELEASE, (scope, key, attempt))
             return "too large"
 

@@ -14,7 +14,6 @@ rolls back whatever a failure left open. The protocol is doc/http.md's.
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Optional
 
 import psycopg
@@ -25,12 +24,11 @@ from ._protocol import (
     CLAIM, COMPLETE, ONE_TRANSACTION, RELEASE, Answer, Claim, Context, IdempotencyKeyLost,
     Options, bounded_scope, claim_times, complete_params, default_fingerprint, default_scope,
     is_lost_key, is_too_large, lost_key, missing_key, not_claimed, parse_key, principal_of, problem,
+    too_large,
 )
 from ._sync import Heartbeat, checkpoint_with
 
 __all__ = ["Idempotency", "IdempotencyKeyLost"]
-
-log = logging.getLogger("pg_idempotency")
 
 
 def _fetch(conn: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]) -> Any:
@@ -122,11 +120,11 @@ class Idempotency:
 
         if mode == ONE_TRANSACTION:
             transaction = contextlib.ExitStack()
-            conn = transaction.enter_context(self.pool.connection())
-            transaction.enter_context(conn.transaction())
             try:
+                conn = transaction.enter_context(self.pool.connection())
+                transaction.enter_context(conn.transaction())
                 claim = Claim(*_fetch(conn, CLAIM, params))
-            except BaseException as error:
+            except BaseException as error:  # the connection goes back to the pool
                 transaction.__exit__(type(error), error, error.__traceback__)
                 raise
             if claim.outcome != "claimed":
@@ -152,57 +150,81 @@ class Idempotency:
         state: Optional[_State] = g.pop("_idempotency_state", None)
         if state is None:
             return response
+        try:
+            return self._store_answer(state, response)
+        except BaseException:
+            # the state is no longer on g, so teardown_request cannot see it:
+            # free the key and return the connection here
+            self._abandon(state)
+            raise
+
+    def _store_answer(self, state: _State, response: Response) -> Response:
         context = state.context
         if state.heartbeat is not None:
             state.heartbeat.stop()
+        if response.direct_passthrough:  # send_file: read the file, to store it
+            response.direct_passthrough = False
         params = complete_params(context.scope, context.key, response.status_code,
                                  list(response.headers.items()), response.get_data(),
                                  self.options, context.attempt)
-        try:
-            if state.transaction is not None:
-                conn = context.conn
-                if conn.info.transaction_status == TransactionStatus.INERROR:
-                    state.rollback()  # the handler's SQL failed: nothing was kept
-                    if response.status_code >= 500:
-                        return response
-                    return self._response(problem(500, "the transaction failed"))
-                outcome = self._complete(conn, params)
-                if outcome == "released":  # a transient status: undo the writes too
-                    state.rollback()
-                else:
-                    state.commit()
+        if state.transaction is not None:
+            conn = context.conn
+            if conn.info.transaction_status == TransactionStatus.INERROR:
+                state.rollback()  # the handler's SQL failed: nothing was kept
+                if response.status_code >= 500:
+                    return response
+                return self._response(problem(500, "the transaction failed"))
+            try:
+                outcome = self._complete(conn, params, one_transaction=True)
+            except psycopg.Error as error:
+                if not is_too_large(error):
+                    raise
+                state.rollback()  # the handler's writes and the claim go: nothing was done
+                answer = too_large(context.scope, context.key, error, released=False)
+                return self._response(answer)
+            if outcome == "released":  # a transient status: undo the writes too
+                state.rollback()
             else:
-                with self.pool.connection() as conn, conn.transaction():
-                    self._complete(conn, params)
-        except BaseException as error:
-            state.rollback()
-            if isinstance(error, psycopg.Error) and is_lost_key(error):
+                state.commit()
+            return response
+        try:
+            with self.pool.connection() as conn, conn.transaction():
+                self._complete(conn, params)
+        except psycopg.Error as error:
+            if is_lost_key(error):
                 return self._response(lost_key())  # a retry took the key over
             raise
         return response
 
     @staticmethod
-    def _complete(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> str:
+    def _complete(conn: psycopg.Connection[Any], params: tuple[Any, ...],
+                  one_transaction: bool = False) -> str:
+        """idem_complete; a body too large raises in the one-transaction mode,
+        and releases the key in the two-transaction mode."""
+        scope, key, attempt = params[0], params[1], params[5]
+        if one_transaction:
+            return str(_fetch(conn, COMPLETE, params)[0])
         try:
-            with conn.transaction():  # a savepoint: a refused body leaves the rest
+            with conn.transaction():  # a savepoint: the release follows
                 return str(_fetch(conn, COMPLETE, params)[0])
         except psycopg.errors.ProgramLimitExceeded as error:
             if not is_too_large(error):
                 raise
-            scope, key, attempt = params[0], params[1], params[5]
-            log.warning("idempotency key %r in scope %r: response not stored: %s",
-                        key, scope, error)
+            too_large(scope, key, error, released=True)
             _fetch(conn, RELEASE, (scope, key, attempt))
             return "too large"
 
     def _teardown(self, error: Optional[BaseException]) -> None:
         """A request that never reached after_request: roll back, release."""
         state: Optional[_State] = g.pop("_idempotency_state", None)
-        if state is None:
-            return
+        if state is not None:
+            self._abandon(state)
+
+    def _abandon(self, state: _State) -> None:
+        """Stop the heartbeat, free the key, give the connection back."""
         if state.heartbeat is not None:
             state.heartbeat.stop()
-            with contextlib.suppress(psycopg.Error):
+            with contextlib.suppress(psycopg.Error):  # lost already, or the database is gone
                 self._run(RELEASE, (state.context.scope, state.context.key,
                                     state.context.attempt))
         state.rollback()

@@ -30,12 +30,12 @@ def free_port():
 
 
 @contextlib.contextmanager
-def serve_asgi(app):
+def serve_asgi(app, lifespan="on"):
     import uvicorn
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+                                           log_level="warning", lifespan=lifespan))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -65,7 +65,8 @@ def serve_wsgi(app):
 class Reply:
     def __init__(self, status, headers, body):
         self.status, self.body = status, body
-        self.headers = {name.lower(): value for name, value in headers}
+        self.raw_headers = [(name.lower(), value) for name, value in headers]
+        self.headers = dict(self.raw_headers)
 
     def json(self):
         return json.loads(self.body)

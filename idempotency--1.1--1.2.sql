@@ -1,0 +1,59 @@
+/* idempotency--1.1--1.2.sql */
+
+-- complain if script is sourced in psql, rather than via ALTER EXTENSION
+\echo Use "ALTER EXTENSION idempotency UPDATE TO '1.2'" to load this file. \quit
+
+/*
+ * The update has one section per concern, each saying what it changes and
+ * why; a section changes only what it names.
+ */
+
+/* ---- Outbox fences: attempts counts hand-outs, failures the failed tries ----
+ *
+ * A fenced ack or nack names the hand-out it acts for by the attempts that
+ * fetch returned.  At 1.1 attempts also counted the failed tries that
+ * backoff and outbox_max_attempts are decided on, so a requeue reset it and
+ * a nack's put-back of the later rows of its hand-out took that hand-out
+ * back: the next hand-out of such a row carried a fence an earlier one had
+ * carried, and a stale relay's ack or nack acted on the new holder's lease.
+ * From 1.2, attempts counts hand-outs and never goes back (a put-back and a
+ * requeue leave it), and failures counts the failed tries: a nack, a lease
+ * that ran out, a failed publication; a requeue resets it.  A NOT NULL
+ * column with a constant default: no rewrite of the table.
+ */
+ALTER TABLE idempotency.outbox ADD COLUMN failures integer NOT NULL DEFAULT 0;
+
+/*
+ * The rows in flight carry their failures over: a pending or dead row's
+ * attempts were its failed tries, a leased row's one more (the try in
+ * hand).  A leased row keeps its attempts, the fence its relay holds.  A
+ * pending row's next hand-out must carry a fence no 1.1 hand-out of it
+ * carried: one more than its attempts is above the fence of a hand-out a
+ * nack put back (taken back by one), and a row requeued at 1.1 (attempts
+ * reset to 0) may have been handed out up to outbox_max_attempts times
+ * before it died.  A pending row never handed out nor failed has no earlier
+ * fence (attempts 0, no last_error, and available since it was enqueued: a
+ * put-back made it available later), and is left as it is, as are
+ * published rows (failures 0): no decision reads them, and the update is
+ * spared the rewrite of most of a backlog.
+ */
+DO $$
+DECLARE
+	max_attempts integer := coalesce(current_setting('idempotency.outbox_max_attempts', true),
+									 '10')::integer;
+BEGIN
+	UPDATE idempotency.outbox
+	SET failures = attempts, attempts = greatest(attempts + 1, max_attempts)
+	WHERE state = 'pending'
+	  AND (attempts > 0 OR last_error IS NOT NULL OR available_at <> created_at);
+	UPDATE idempotency.outbox SET failures = attempts
+	WHERE state = 'dead' AND attempts > 0;
+	UPDATE idempotency.outbox SET failures = attempts - 1
+	WHERE state = 'leased' AND attempts > 1;
+END
+$$;
+
+COMMENT ON COLUMN idempotency.outbox.attempts IS
+	'how many times the row was handed out (fetched, or tried by the worker); never goes back: a fenced ack or nack names its hand-out by it';
+COMMENT ON COLUMN idempotency.outbox.failures IS
+	'failed tries since the row was enqueued or requeued: nacks, leases that ran out, failed publications; the backoff and outbox_max_attempts are decided on it';
