@@ -60,7 +60,7 @@ TEST_CONF = $(CURDIR)/test/idempotency.conf
 
 # pg_regress: one file per topic under sql/, expected output under expected/
 REGRESS = setup keys_claim keys_claim_scan keys_complete keys_lease keys_extend_lease keys_wait keys_fingerprint keys_input \
-	keys_release_policy keys_security events events_batch outbox outbox_batch outbox_routes ddl_guard outbox_fetch_plan
+	keys_release_policy keys_security events events_batch maintenance_purge outbox outbox_batch outbox_routes ddl_guard outbox_fetch_plan
 
 # pg_isolation_regress: specs/*.spec, expected output under expected/
 ISOLATION = claim_concurrent claim_rollback claim_lease claim_isolation_levels claim_result_times claim_wait claim_wait_lease \
@@ -172,7 +172,7 @@ check-installcheck:
 # The SQL edition (sql-edition/, PL/pgSQL and SQL only, for servers without
 # the C library): dist/idempotency-sql--<version>.sql, assembled from the C
 # edition's scripts and sql-edition/*.sql (scripts/build-sql-edition.py)
-.PHONY: dist check-sql-edition
+.PHONY: dist check-sql-edition check-pgtle
 dist:
 	python3 scripts/build-sql-edition.py
 
@@ -182,6 +182,18 @@ dist:
 # sql-edition/differences.patch (scripts/check-sql-edition.sh)
 check-sql-edition:
 	PG_CONFIG=$(PG_CONFIG) scripts/check-sql-edition.sh
+
+# The same, the edition registered with pg_tle (dist/idempotency-pgtle--*.sql)
+# and created with CREATE EXTENSION by a role holding pgtle_admin, when
+# pg_tle is installed in this server (Debian does not ship it: see
+# doc/testing.md); without it, one line says the suite did not run
+PGTLE_INSTALLED = $(wildcard $(shell $(PG_CONFIG) --sharedir)/extension/pg_tle.control)
+check-pgtle:
+ifneq ($(PGTLE_INSTALLED),)
+	PG_CONFIG=$(PG_CONFIG) VIA=pgtle scripts/check-sql-edition.sh
+else
+	@echo "pgtle suite: not run (pg_tle is not installed in this server: see doc/testing.md)"
+endif
 
 # The Debian package (debian/, pg_buildext): built in a scratch copy,
 # installed, and tested with installcheck against the installed library

@@ -23,7 +23,7 @@ Then the edition's functions (sql-edition/*.sql, CREATE OR REPLACE FUNCTION)
 replace the stubs: CREATE OR REPLACE keeps each stub's comment and grants,
 and PostgreSQL refuses one whose argument names, defaults or result type
 differ.  Every stub must be replaced except the functions listed in
-NOT_YET (the outbox and maintenance, the edition's next part); the script
+NOT_YET (the outbox, the edition's next part); the script
 says which in its header.  The whole is one transaction.
 
   scripts/build-sql-edition.py [--out DIR]
@@ -38,14 +38,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EDITION = os.path.join(ROOT, "sql-edition")
 
 # The edition's own sources, in the order they run (helpers first).
-SOURCES = ["settings.sql", "keys.sql", "fingerprint.sql", "events.sql", "stats.sql"]
+SOURCES = ["settings.sql", "keys.sql", "fingerprint.sql", "events.sql", "stats.sql", "maintenance.sql"]
 
 # C functions the edition does not have yet: they stay stubs (0A000).
 NOT_YET = {
     "idem_outbox_enqueue", "idem_outbox_enqueue_batch", "idem_outbox_route",
     "idem_outbox_fetch", "idem_outbox_ack", "idem_outbox_nack",
     "idem_outbox_requeue", "idem_outbox_discard", "_outbox_on_shard",
-    "idem_run_maintenance",
 }
 
 C_FUNCTION = re.compile(
@@ -103,11 +102,12 @@ def stub_body(name):
             "END\n$stub$")
 
 
-def transform(script, text, stubs):
+def transform(script, text, stubs, extension=False):
     text, n = re.subn(r"^(-- complain if script is sourced in psql.*\n)?\\echo .*\\quit\n", "", text, flags=re.M)
     if n != 1:
         fail(f"{script}: expected one \\echo ... \\quit guard line, found {n}")
-    text = re.sub(r"^SELECT pg_catalog\.pg_extension_config_dump\([^;]*\);\n", "", text, flags=re.M)
+    if not extension:
+        text = re.sub(r"^SELECT pg_catalog\.pg_extension_config_dump\([^;]*\);\n", "", text, flags=re.M)
 
     def replace(m):
         name, symbol, attrs = m.group("name"), m.group("symbol"), m.group("attrs")
@@ -174,9 +174,10 @@ def main():
  * It runs in one transaction: it installs everything or nothing, and refuses
  * to run where schema idempotency already exists.
  *
- * This version has the idempotency keys, consumer deduplication and
- * fingerprints.  The outbox and maintenance come next: their tables exist
- * (the idempotency.stats view reads them), and their functions
+ * This version has the idempotency keys, consumer deduplication,
+ * fingerprints and idem_run_maintenance() (the purge of keys and events).
+ * The outbox comes next: its tables exist (the idempotency.stats view reads
+ * them), and its functions
  * ({not_yet})
  * raise 0A000 until then.  How the editions differ: doc/internals.md.
  */
@@ -213,6 +214,80 @@ COMMIT;
         f.write(header + "\n" + "\n".join(parts) + "\n" + edition + footer)
     os.replace(out + ".tmp", out)
     print(out)
+
+    # The same objects as an extension script for pg_tle: CREATE EXTENSION
+    # creates the schema and runs it in its own transaction; the tables are
+    # the extension's configuration tables again (pg_dump dumps their rows).
+    ext_parts = [f"/* ---- {s} (the C edition's script, transformed) ---- */\n\n"
+                 + transform(s, read(os.path.join(ROOT, s)), [], extension=True) for s in chain]
+    ext_script = (f"COMMENT ON SCHEMA idempotency IS 'idempotency {version} (SQL edition, pg_tle)';\n\n"
+                  + "\n".join(ext_parts) + "\n" + edition
+                  + footer.replace("\nCOMMIT;\n", ""))
+    out = os.path.join(args.out, f"idempotency-pgtle--{version}.sql")
+    with open(out + ".tmp", "w", encoding="utf-8") as f:
+        f.write(pgtle_script(version, ext_script, read(os.path.join(ROOT, "idempotency.control")), chain))
+    os.replace(out + ".tmp", out)
+    print(out)
+
+
+# pg_tle keeps an extension's script inside a function it creates, quoted
+# with these two delimiters, and refuses a script that holds either.
+PGTLE_FORBIDDEN = ("$_pgtle_o_$", "$_pgtle_i_$")
+PGTLE_QUOTE = "$_idempotency_$"
+
+
+def pgtle_script(version, ext_script, control, chain):
+    """dist/idempotency-pgtle--<version>.sql: the edition registered with
+    pg_tle (pgtle.install_extension), so that CREATE EXTENSION idempotency
+    installs it.  pg_tle runs an extension script without transaction
+    control and refuses its own quoting delimiters in it; the script is
+    passed dollar-quoted with a delimiter it must not contain either.
+    Later versions add pgtle.install_update_path calls, one per SQL-edition
+    update script, once the edition has them (it has none yet)."""
+    for bad in PGTLE_FORBIDDEN + (PGTLE_QUOTE,):
+        if bad in ext_script:
+            fail(f"the extension script holds {bad}, which the pg_tle file cannot quote")
+    m = re.search(r"^\s*(BEGIN|COMMIT|ROLLBACK|START TRANSACTION)\s*;", ext_script, re.M | re.I)
+    if m:
+        fail(f"the extension script holds transaction control ({m.group(1)}), which pg_tle refuses")
+    comment = re.search(r"^comment\s*=\s*'((?:[^']|'')*)'", control, re.M)
+    schema = re.search(r"^schema\s*=\s*(\w+)", control, re.M)
+    if not comment or not schema:
+        fail("idempotency.control has no comment or schema")
+    description = comment.group(1).replace("''", "'") + " (SQL edition)"
+    return f"""/*
+ * idempotency {version}, the SQL edition, for pg_tle (Trusted Language
+ * Extensions: Amazon RDS and Aurora, Supabase).  Generated by
+ * scripts/build-sql-edition.py (make dist) from {', '.join(chain)}
+ * and sql-edition/; do not edit.  The same objects as
+ * idempotency-sql--{version}.sql, as an extension.
+ *
+ * Register it once per database, as a role that holds pgtle_admin (and, to
+ * create the extension, CREATE on the database), where pg_tle is installed
+ * (CREATE EXTENSION pg_tle, with pg_tle in shared_preload_libraries):
+ *
+ *     psql -v ON_ERROR_STOP=1 -f idempotency-pgtle--{version}.sql
+ *     psql -c 'CREATE EXTENSION idempotency'
+ *
+ * It is one statement: it registers the edition or nothing.  Running it
+ * again is refused by pg_tle (the extension is registered, or installed,
+ * already); SELECT pgtle.uninstall_extension('idempotency') takes the
+ * registration back once DROP EXTENSION idempotency has run.
+ */
+
+SELECT pgtle.install_extension(
+	'idempotency',
+	'{version}',
+	{sql_literal(description)},
+{PGTLE_QUOTE}
+{ext_script}{PGTLE_QUOTE},
+	ARRAY[]::text[],
+	'{schema.group(1)}');
+"""
+
+
+def sql_literal(text):
+    return "'" + text.replace("'", "''") + "'"
 
 
 if __name__ == "__main__":

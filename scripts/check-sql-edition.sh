@@ -19,7 +19,16 @@
 #      specs/events_*.spec, against the C edition's expected output as
 #      sql-edition/differences.patch changes it: every difference between
 #      the editions is a hunk of that one file, with the reason above it,
-#      and a patch that no longer applies fails the suite.
+#      and a patch that no longer applies fails the suite;
+#   5. the differential fuzz (test/fuzz/diff_editions.py): the same random
+#      call sequences on both editions, the same results and SQLSTATEs.
+#
+# VIA=pgtle (make check-pgtle) installs the edition through pg_tle instead:
+# the server preloads pg_tle only, idempotency-pgtle--<version>.sql is run
+# by a role that holds pgtle_admin and CREATE on the database, then that
+# role runs CREATE EXTENSION idempotency; the same catalog comparison and
+# the same tests follow (sql-edition/test/sql/pgtle_setup.sql in place of
+# sql_edition_setup.sql).  pg_tle must be installed in the server tree.
 #
 # PG_CONFIG picks the server; the C edition must be installed in it for
 # step 3 (make test installs it first).  KEEP_WORKDIR=1 keeps the scratch
@@ -37,6 +46,8 @@ pgxs_dir=$(dirname "$("$PG_CONFIG" --pgxs)")
 pg_regress=$pgxs_dir/../test/regress/pg_regress
 pg_isolation_regress=$pgxs_dir/../test/isolation/pg_isolation_regress
 user=$(id -un)
+via=${VIA:-script}
+case $via in script | pgtle) ;; *) echo "sql-edition: VIA is script or pgtle" >&2; exit 2 ;; esac
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/idempotency-sql-edition.XXXXXX")
 chmod 755 "$work"
@@ -78,6 +89,7 @@ start_server() {
 echo "-- make dist"
 python3 scripts/build-sql-edition.py --out "$work/dist" >/dev/null || exit 1
 script=$(ls "$work"/dist/idempotency-sql--*.sql)
+pgtle_script=$(ls "$work"/dist/idempotency-pgtle--*.sql)
 
 # -- 1. a server tree without the C edition
 tree=$work/tree
@@ -92,30 +104,49 @@ left=$(find "$tree" -name '*idempotency*')
 	fail "the private tree's server does not look in its own lib dir"
 
 sql_port=$(free_port)
-start_server sql-server "$tree$bindir" "$sql_port"
+preload=
+if [ "$via" = pgtle ]; then
+	[ -e "$tree$sharedir/extension/pg_tle.control" ] || fail "pg_tle is not installed in $sharedir (doc/testing.md says how to get it)"
+	preload=pg_tle
+fi
+start_server sql-server "$tree$bindir" "$sql_port" "shared_preload_libraries = '$preload'"
 psql_sql() { "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -h "$work" -p "$sql_port" "$@"; }
 [ "$(psql_sql -U "$user" -d postgres -Atc "SELECT current_setting('shared_preload_libraries') || '|' ||
-	(SELECT count(*) FROM pg_available_extensions WHERE name = 'idempotency')")" = "|0" ] ||
-	fail "the SQL edition's server preloads something or offers the C edition"
-echo "server without the C edition: $tree (no idempotency file; shared_preload_libraries empty)"
+	(SELECT count(*) FROM pg_available_extensions WHERE name = 'idempotency')")" = "$preload|0" ] ||
+	fail "the SQL edition's server preloads something else than '$preload' or offers the C edition"
+echo "server without the C edition: $tree (no idempotency file; shared_preload_libraries '$preload')"
 
-# -- 2. installed by a role that only holds CREATE on its database
+# -- 2. installed by a role that only holds CREATE on its database (and
+# pgtle_admin, through pg_tle)
 psql_sql -U "$user" -d postgres -c "CREATE ROLE idem_owner LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE" \
 	-c "CREATE DATABASE sql_edition" || exit 1
 psql_sql -U "$user" -d sql_edition -c "REVOKE CREATE ON SCHEMA public FROM PUBLIC" \
 	-c "GRANT CREATE ON DATABASE sql_edition TO idem_owner" || exit 1
-psql_sql -U idem_owner -d sql_edition -f "$script" >"$work/install.out" 2>&1 ||
-	{ cat "$work/install.out"; fail "the script failed as a role with only CREATE on the database"; }
-[ ! -s "$work/install.out" ] || { cat "$work/install.out"; fail "the script printed something (above) where it should print nothing"; }
-psql_sql -U "$user" -d sql_edition -f sql-edition/test/catalog.sql >"$work/catalog-sql.txt" || exit 1
-if psql_sql -U idem_owner -d sql_edition -f "$script" >"$work/install-again.out" 2>&1; then
-	fail "the script ran twice"
+if [ "$via" = pgtle ]; then
+	psql_sql -U "$user" -d sql_edition -c "CREATE EXTENSION pg_tle" -c "GRANT pgtle_admin TO idem_owner" || exit 1
+	install() {
+		psql_sql -U idem_owner -d sql_edition -o /dev/null -f "$pgtle_script" &&
+			psql_sql -U idem_owner -d sql_edition -c "CREATE EXTENSION idempotency"
+	}
+	already='ERROR:  extension "idempotency" already installed'
+	how="registered through pg_tle and created (CREATE EXTENSION) by a role with only pgtle_admin and CREATE on the database"
+else
+	install() { psql_sql -U idem_owner -d sql_edition -f "$script"; }
+	already='ERROR:  schema "idempotency" already exists'
+	how="installed by a role with only CREATE on the database"
 fi
-grep -q 'ERROR:  schema "idempotency" already exists' "$work/install-again.out" ||
-	{ cat "$work/install-again.out"; fail "running the script twice did not say why it stopped"; }
+install >"$work/install.out" 2>&1 ||
+	{ cat "$work/install.out"; fail "the $via install failed as a role with only CREATE on the database"; }
+[ ! -s "$work/install.out" ] || { cat "$work/install.out"; fail "the install printed something (above) where it should print nothing"; }
+psql_sql -U "$user" -d sql_edition -f sql-edition/test/catalog.sql >"$work/catalog-sql.txt" || exit 1
+if install >"$work/install-again.out" 2>&1; then
+	fail "the install ran twice"
+fi
+grep -q "$already" "$work/install-again.out" ||
+	{ cat "$work/install-again.out"; fail "installing twice did not say why it stopped"; }
 psql_sql -U "$user" -d sql_edition -f sql-edition/test/catalog.sql | cmp -s - "$work/catalog-sql.txt" ||
-	fail "running the script twice changed the catalog"
-echo "installed by a role with only CREATE on the database; a second run refused, nothing changed"
+	fail "installing twice changed the catalog"
+echo "$how; a second install refused, nothing changed"
 
 # -- 3. the catalogs of both editions
 status=0
@@ -145,7 +176,7 @@ fi
 t=$work/t
 mkdir -p "$t/sql" "$t/expected" "$t/specs"
 regress=(keys_claim keys_claim_scan keys_complete keys_lease keys_extend_lease keys_wait keys_fingerprint
-	keys_input keys_release_policy keys_security events events_batch)
+	keys_input keys_release_policy keys_security events events_batch maintenance_purge)
 isolation=(claim_concurrent claim_rollback claim_lease claim_isolation_levels claim_result_times
 	claim_wait claim_wait_lease events_concurrent events_batch_concurrent)
 for f in "${regress[@]}"; do cp "sql/$f.sql" "expected/$f.out" "$t/sql/" 2>/dev/null; mv "$t/sql/$f.out" "$t/expected/"; done
@@ -160,21 +191,52 @@ for f in "${regress[@]}"; do
 done
 cp sql-edition/test/sql/*.sql "$t/sql/"
 cp sql-edition/test/expected/*.out "$t/expected/"
-(cd "$t" && patch -p1 --quiet --no-backup-if-mismatch <"$src/sql-edition/differences.patch") ||
+# through pg_tle the edition is an extension: the differences that come
+# from the plain script's being none ("Plain script only") are left out
+python3 /dev/stdin "$via" "$src/sql-edition/differences.patch" >"$work/differences.patch" <<'PY' || exit 1
+import sys
+with open(sys.argv[2], encoding="utf-8") as f:
+    lines = f.read().splitlines(keepends=True)
+if sys.argv[1] == "pgtle":
+    # a file's section: its reason (a block of comment lines), then its diff
+    sections, previous = [], ""
+    for line in lines:
+        if line.startswith("#") and not previous.startswith("#"):
+            sections.append([])
+        if not sections:
+            sections.append([])
+        sections[-1].append(line)
+        previous = line
+    lines = [line for section in sections if "Plain script only" not in "".join(section) for line in section]
+sys.stdout.write("".join(lines))
+PY
+(cd "$t" && patch -p1 --quiet --no-backup-if-mismatch <"$work/differences.patch") ||
 	fail "sql-edition/differences.patch does not apply to the C edition's tests any more: bring it up to date"
 # the specs install the edition where the C edition's create the extension
-sed -i -e 's/CREATE EXTENSION idempotency;/SET ROLE idem_owner; SELECT public.install_sql_edition(); RESET ROLE;/' \
-	-e 's/DROP EXTENSION idempotency;/DROP SCHEMA idempotency CASCADE;/' "$t"/specs/*.spec
-sed -i "s|@script@|$script|" "$t/sql/sql_edition_setup.sql"
+if [ "$via" = pgtle ]; then
+	sed -i 's/CREATE EXTENSION idempotency;/SET ROLE idem_owner; CREATE EXTENSION idempotency; RESET ROLE;/' "$t"/specs/*.spec
+	setup=pgtle_setup
+else
+	sed -i -e 's/CREATE EXTENSION idempotency;/SET ROLE idem_owner; SELECT public.install_sql_edition(); RESET ROLE;/' \
+		-e 's/DROP EXTENSION idempotency;/DROP SCHEMA idempotency CASCADE;/' "$t"/specs/*.spec
+	setup=sql_edition_setup
+fi
+sed -i -e "s|@script@|$script|" -e "s|@pgtle_script@|$pgtle_script|" "$t/sql/sql_edition_setup.sql" "$t/sql/pgtle_setup.sql"
 
-echo "-- pg_regress: sql_edition_setup ${regress[*]}"
+echo "-- pg_regress: $setup ${regress[*]} sql_edition_maintenance"
 "$pg_regress" --bindir="$bindir" --inputdir="$t" --outputdir="$t" --host="$work" --port="$sql_port" \
-	--user="$user" --dbname=sql_edition_regress sql_edition_setup "${regress[@]}" || {
+	--user="$user" --dbname=sql_edition_regress "$setup" "${regress[@]}" sql_edition_maintenance || {
 	status=1; cat "$t/regression.diffs"; }
 
 # the isolation database: the script kept in a table, installed by a function
 # that runs it as the role that ran it (the specs' setup: SET ROLE idem_owner)
 psql_sql -U "$user" -d postgres -c "CREATE DATABASE sql_edition_iso" || exit 1
+if [ "$via" = pgtle ]; then
+	# the specs create the extension as idem_owner, registered here once
+	psql_sql -U "$user" -d sql_edition_iso -c "GRANT CREATE ON DATABASE sql_edition_iso TO idem_owner" \
+		-c "CREATE EXTENSION pg_tle" || exit 1
+	psql_sql -U idem_owner -d sql_edition_iso -o /dev/null -f "$pgtle_script" || exit 1
+else
 psql_sql -U "$user" -d sql_edition_iso -v script="$script" <<'SQL' || exit 1
 GRANT CREATE ON DATABASE sql_edition_iso TO idem_owner;
 CREATE TABLE public.sql_edition_script AS
@@ -183,10 +245,27 @@ CREATE FUNCTION public.install_sql_edition() RETURNS void LANGUAGE plpgsql
 AS $$ BEGIN EXECUTE (SELECT script FROM public.sql_edition_script); END $$;
 GRANT SELECT ON public.sql_edition_script TO idem_owner;
 SQL
+fi
 echo "-- pg_isolation_regress: ${isolation[*]}"
 mkdir -p "$t/iso"
 "$pg_isolation_regress" --bindir="$bindir" --inputdir="$t" --outputdir="$t/iso" --host="$work" \
 	--port="$sql_port" --user="$user" --use-existing --dbname=sql_edition_iso "${isolation[@]}" || {
 	status=1; cat "$t/iso/regression.diffs"; }
+
+# -- 5. the differential fuzz: the same random call sequences on both
+# editions, the same results and errors (test/fuzz/diff_editions.py, about
+# DIFF_SECONDS, 30 by default)
+if [ "$via" = script ] && [ -n "${c_port:-}" ]; then
+	psql_sql -U "$user" -d postgres -c "CREATE DATABASE diff_fuzz OWNER idem_owner" || exit 1
+	psql_sql -U idem_owner -d diff_fuzz -f "$script" || exit 1
+	"$bindir/psql" -X -q -v ON_ERROR_STOP=1 -h "$work" -p "$c_port" -U "$user" -d postgres \
+		-c "CREATE DATABASE diff_fuzz" || exit 1
+	"$bindir/psql" -X -q -v ON_ERROR_STOP=1 -h "$work" -p "$c_port" -U "$user" -d diff_fuzz \
+		-c "CREATE EXTENSION idempotency" || exit 1
+	echo "-- differential fuzz (test/fuzz/diff_editions.py)"
+	DIFF_C_DSN="host=$work port=$c_port dbname=diff_fuzz user=$user" \
+		DIFF_SQL_DSN="host=$work port=$sql_port dbname=diff_fuzz user=$user" \
+		/usr/bin/python3 test/fuzz/diff_editions.py || status=1
+fi
 
 exit $status

@@ -23,12 +23,16 @@
 #               against the C edition's, and the key and event suites
 #               against it, with sql-edition/differences.patch
 #               (scripts/check-sql-edition.sh)
+#   pgtle       the same, the edition registered with pg_tle and created
+#               with CREATE EXTENSION by a role holding pgtle_admin, when
+#               pg_tle is installed in the server tree (one line of the
+#               summary says so when it is not; doc/testing.md)
 #
 # Every suite runs even when an earlier one fails; the summary at the end
 # lists each with its counts, then the totals alone on a line, "N passed,
 # M failed, K skipped" (CI reads that line), and the exit status is non-zero
 # if any failed.  What is counted, per suite:
-#   installcheck, regress, isolation, sql-edition: pg_regress's tests and isolation
+#   installcheck, regress, isolation, sql-edition, pgtle: pg_regress's tests and isolation
 #               specs (a file of sql/ or specs/ each), from their summaries
 #   tap, citus  test files (t/*.pl, t/citus/*.pl), from prove's summary; a
 #               file that skips itself (a tool missing) is skipped, and a
@@ -75,7 +79,7 @@ count_suite() {
 	local suite=$1 log=$2 status=$3 files
 	passed=0 failed=0 skipped=0
 	case $suite in
-	installcheck | regress | isolation | sql-edition)
+	installcheck | regress | isolation | sql-edition | pgtle)
 		# "All 17 tests passed.", "2 of 17 tests failed." (15: with a
 		# leading space; 16 and later: after "# ")
 		read -r passed failed < <(awk '
@@ -121,7 +125,7 @@ trap 'rm -rf "$logs"; [ -n "${KEEP_WORKDIR:-}" ] || rm -rf "$work"' EXIT
 summary=()
 status=0
 total_passed=0 total_failed=0 total_skipped=0
-for suite in ${SUITES:-installcheck tap citus examples fuzz docs sql-edition}; do
+for suite in ${SUITES:-installcheck tap citus examples fuzz docs sql-edition pgtle}; do
 	echo
 	echo "== $suite"
 	# the Citus suite needs Citus in the server tree, which Debian does not ship
@@ -130,6 +134,14 @@ for suite in ${SUITES:-installcheck tap citus examples fuzz docs sql-edition}; d
 		skipped=$(ls t/citus/*.pl | wc -l)
 		total_skipped=$((total_skipped + skipped))
 		summary+=("citus: not run, $skipped test files skipped: Citus is not installed in this server (Debian does not package it; doc/integrations/citus.md says how to get it)")
+		echo "${summary[-1]}"
+		continue
+	fi
+	# nor pg_tle
+	if [ "$suite" = pgtle ] &&
+		[ ! -e "$("$PG_CONFIG" --sharedir)/extension/pg_tle.control" ]; then
+		total_skipped=$((total_skipped + 1))
+		summary+=("pgtle: not run, 1 suite skipped: pg_tle is not installed in this server (Debian does not package it; doc/testing.md says how to get it)")
 		echo "${summary[-1]}"
 		continue
 	fi

@@ -236,8 +236,9 @@ $$;
  * The claim that idem_complete, idem_release, idem_checkpoint and
  * idem_extend_lease act on, with its lock held, or the error that says why
  * there is none (src/api/keys.c's find_claim).  A key another transaction
- * is writing is waited for (the C edition waits for its row), except a
- * claim that is not committed yet, which is not this transaction's.
+ * is writing is waited for (the C edition waits for its row) once its
+ * committed row passes the checks, except a claim that is not committed
+ * yet, which is not this transaction's.
  */
 CREATE FUNCTION idempotency._find_claim(p_scope text, p_key text, p_attempt integer,
 										function_name text)
@@ -247,6 +248,7 @@ AS $$
 DECLARE
 	k idempotency.keys;
 	lock_id bigint;
+	locked boolean;
 BEGIN
 	IF p_scope IS NULL OR p_key IS NULL OR octet_length(p_scope) > 255
 		OR octet_length(p_key) NOT BETWEEN 1 AND 255 THEN
@@ -256,39 +258,47 @@ BEGIN
 	IF current_setting('transaction_read_only') = 'on' THEN
 		PERFORM idempotency._require_writable(function_name);
 	END IF;
+	/*
+	 * As C decides on the row it probes before it waits to write it: the
+	 * checks run on the committed row first, and an error is raised
+	 * without waiting for a transaction that holds the key; only a claim
+	 * that passes them waits for the key's lock, then is read and checked
+	 * again (the holder may have changed it).
+	 */
 	lock_id := idempotency._lock_id('k', p_scope, p_key);
-	IF NOT pg_try_advisory_xact_lock(lock_id) THEN
-		PERFORM FROM idempotency.keys AS k0 WHERE k0.scope = p_scope AND k0.key = p_key;
-		IF NOT FOUND THEN
+	locked := pg_try_advisory_xact_lock(lock_id);
+	LOOP
+		SELECT k0.* INTO k FROM idempotency.keys AS k0 WHERE k0.scope = p_scope AND k0.key = p_key;
+		IF NOT FOUND AND NOT locked THEN
 			RAISE EXCEPTION 'idempotency key "%" in scope "%" is not claimed by this transaction', p_key, p_scope
 				USING ERRCODE = '22I01',
 					  DETAIL = 'Another transaction''s claim of the key has not committed yet.';
 		END IF;
-		PERFORM pg_advisory_xact_lock(lock_id);
-	END IF;
-
-	SELECT k0.* INTO k FROM idempotency.keys AS k0 WHERE k0.scope = p_scope AND k0.key = p_key;
-	IF NOT FOUND OR k.expires_at <= clock_timestamp() THEN
-		RAISE EXCEPTION 'idempotency key "%" in scope "%" is not claimed', p_key, p_scope
-			USING ERRCODE = '22I01',
-				  HINT = 'Call idem_claim first; a claim also ends when it is released or expires.';
-	END IF;
-	IF k.status_code IS NOT NULL THEN
-		RAISE EXCEPTION 'idempotency key "%" in scope "%" is already completed', p_key, p_scope
-			USING ERRCODE = '22I02',
-				  DETAIL = format('Its response (status %s) is stored and is replayed to every retry.', k.status_code);
-	END IF;
-	IF p_attempt IS NOT NULL AND p_attempt <> k.attempt THEN
-		IF p_attempt < k.attempt THEN
+		IF NOT FOUND OR k.expires_at <= clock_timestamp() THEN
+			RAISE EXCEPTION 'idempotency key "%" in scope "%" is not claimed', p_key, p_scope
+				USING ERRCODE = '22I01',
+					  HINT = 'Call idem_claim first; a claim also ends when it is released or expires.';
+		END IF;
+		IF k.status_code IS NOT NULL THEN
+			RAISE EXCEPTION 'idempotency key "%" in scope "%" is already completed', p_key, p_scope
+				USING ERRCODE = '22I02',
+					  DETAIL = format('Its response (status %s) is stored and is replayed to every retry.', k.status_code);
+		END IF;
+		IF p_attempt IS NOT NULL AND p_attempt <> k.attempt THEN
+			IF p_attempt < k.attempt THEN
+				RAISE EXCEPTION 'idempotency key "%" in scope "%" is held by attempt %, not %',
+					p_key, p_scope, k.attempt, p_attempt
+					USING ERRCODE = '22I03',
+						  HINT = 'The claim''s lease ran out and a retry took the key over; this attempt must stop without side effects.';
+			END IF;
 			RAISE EXCEPTION 'idempotency key "%" in scope "%" is held by attempt %, not %',
 				p_key, p_scope, k.attempt, p_attempt
-				USING ERRCODE = '22I03',
-					  HINT = 'The claim''s lease ran out and a retry took the key over; this attempt must stop without side effects.';
+				USING ERRCODE = '22I03';
 		END IF;
-		RAISE EXCEPTION 'idempotency key "%" in scope "%" is held by attempt %, not %',
-			p_key, p_scope, k.attempt, p_attempt
-			USING ERRCODE = '22I03';
-	END IF;
+		EXIT WHEN locked;
+		PERFORM pg_advisory_xact_lock(lock_id);
+		locked := true;
+	END LOOP;
 	RETURN k;
 END
 $$;

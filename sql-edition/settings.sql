@@ -295,3 +295,52 @@ BEGIN
 	RETURN amount::bigint;
 END
 $$;
+
+/*
+ * An integer setting without a unit: name's value, default_value when unset,
+ * within min_value .. max_value.  Accepts what PostgreSQL accepts for such a
+ * setting: a decimal number, fractions included (rounded as rint() rounds),
+ * or a hexadecimal (0x...) or octal (0...) integer, with white space around.
+ */
+CREATE FUNCTION idempotency._integer_setting(name text, min_value integer, max_value integer,
+											 default_value integer)
+RETURNS integer
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+AS $$
+DECLARE
+	value text := current_setting(name, true);
+	digits text;
+	number numeric;
+BEGIN
+	IF value IS NULL OR value = '' THEN
+		RETURN default_value;
+	END IF;
+	digits := substring(value FROM '^\s*(.*?)\s*$');
+	IF digits ~ '^[-+]?0[xX][0-9a-fA-F]+$' THEN
+		number := ('x' || lpad(substring(digits FROM '[0-9a-fA-F]+$'), 16, '0'))::bit(64)::bigint;
+		IF left(digits, 1) = '-' THEN number := -number; END IF;
+	ELSIF digits ~ '^[-+]?0[0-7]+$' THEN
+		number := 0;
+		FOR i IN 1 .. length(substring(digits FROM '[0-7]+$')) LOOP
+			number := number * 8 + substr(substring(digits FROM '[0-7]+$'), i, 1)::integer;
+		END LOOP;
+		IF left(digits, 1) = '-' THEN number := -number; END IF;
+	ELSIF digits ~ '^[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$' AND digits !~ '^[-+]?0[0-9]+$' THEN
+		number := round(digits::double precision)::numeric;	/* rint(): half to even */
+	ELSE
+		RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, value
+			USING ERRCODE = 'invalid_parameter_value';
+	END IF;
+	IF number NOT BETWEEN -2147483648 AND 2147483647 THEN
+		RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, value
+			USING ERRCODE = 'invalid_parameter_value',
+				  HINT = 'Value exceeds integer range.';
+	END IF;
+	IF number NOT BETWEEN min_value AND max_value THEN
+		RAISE EXCEPTION '% is outside the valid range for parameter "%" (% .. %)',
+			number, name, min_value, max_value
+			USING ERRCODE = 'invalid_parameter_value';
+	END IF;
+	RETURN number;
+END
+$$;
