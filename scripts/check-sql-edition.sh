@@ -223,8 +223,14 @@ else
 fi
 sed -i -e "s|@script@|$script|" -e "s|@pgtle_script@|$pgtle_script|" "$t/sql/sql_edition_setup.sql" "$t/sql/pgtle_setup.sql"
 
+# From PostgreSQL 16 the expected output is looked for in --expecteddir,
+# which is not --inputdir's but the current directory unless given: the
+# patched copies are in $t.
+expecteddir=()
+"$pg_regress" --help 2>/dev/null | grep -q -- --expecteddir && expecteddir=(--expecteddir="$t")
+
 echo "-- pg_regress: $setup ${regress[*]} sql_edition_maintenance"
-"$pg_regress" --bindir="$bindir" --inputdir="$t" --outputdir="$t" --host="$work" --port="$sql_port" \
+"$pg_regress" --bindir="$bindir" --inputdir="$t" "${expecteddir[@]}" --outputdir="$t" --host="$work" --port="$sql_port" \
 	--user="$user" --dbname=sql_edition_regress "$setup" "${regress[@]}" sql_edition_maintenance || {
 	status=1; cat "$t/regression.diffs"; }
 
@@ -248,7 +254,7 @@ SQL
 fi
 echo "-- pg_isolation_regress: ${isolation[*]}"
 mkdir -p "$t/iso"
-"$pg_isolation_regress" --bindir="$bindir" --inputdir="$t" --outputdir="$t/iso" --host="$work" \
+"$pg_isolation_regress" --bindir="$bindir" --inputdir="$t" "${expecteddir[@]}" --outputdir="$t/iso" --host="$work" \
 	--port="$sql_port" --user="$user" --use-existing --dbname=sql_edition_iso "${isolation[@]}" || {
 	status=1; cat "$t/iso/regression.diffs"; }
 
