@@ -15,6 +15,36 @@
  */
 
 /*
+ * A setting's value with an optional unit, as PostgreSQL reads an integer
+ * setting that has units: a number, fractions included, then a unit among
+ * scale's keys; the amount in base_unit (the unit a value without one is
+ * in), not yet rounded.  The errors are those of the C edition's SET.
+ */
+CREATE FUNCTION idempotency._setting_amount(name text, value text, scale jsonb,
+											 base_unit text, units_hint text)
+RETURNS double precision
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+AS $$
+DECLARE
+	parts text[] := regexp_match(value,
+		'^\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$');
+BEGIN
+	IF parts IS NULL THEN
+		RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, value
+			USING ERRCODE = 'invalid_parameter_value';
+	END IF;
+	IF parts[2] <> '' AND NOT scale ? parts[2] THEN
+		RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, value
+			USING ERRCODE = 'invalid_parameter_value',
+				  HINT = 'Valid units for this parameter are ' || units_hint || '.';
+	END IF;
+	RETURN parts[1]::double precision
+		* (scale ->> coalesce(nullif(parts[2], ''), base_unit))::double precision
+		/ (scale ->> base_unit)::double precision;
+END
+$$;
+
+/*
  * A duration setting as an interval: name's value in base_unit ('ms' or
  * 's'), the C edition's default when unset, within min_units (1 unless
  * given) .. 2147483647 units.
@@ -29,28 +59,14 @@ LANGUAGE plpgsql STABLE PARALLEL SAFE
 AS $$
 DECLARE
 	value text := current_setting(name, true);
-	parts text[];
 	units double precision;
 	scale constant jsonb := '{"us": 0.001, "ms": 1, "s": 1000, "min": 60000, "h": 3600000, "d": 86400000}';
 BEGIN
 	IF value IS NULL OR value = '' THEN
 		units := default_units;
 	ELSE
-		parts := regexp_match(value, '^\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*$');
-		IF parts IS NULL THEN
-			RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, value
-				USING ERRCODE = 'invalid_parameter_value';
-		END IF;
-		IF parts[2] <> '' AND NOT scale ? parts[2] THEN
-			RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, value
-				USING ERRCODE = 'invalid_parameter_value',
-					  HINT = 'Valid units for this parameter are "us", "ms", "s", "min", "h", and "d".';
-		END IF;
-		units := parts[1]::double precision;
-		IF parts[2] <> '' THEN
-			units := units * (scale ->> parts[2])::double precision / (scale ->> base_unit)::double precision;
-		END IF;
-		units := round(units);		/* rint(), as the server rounds a setting */
+		units := round(idempotency._setting_amount(name, value, scale, base_unit,
+					   '"us", "ms", "s", "min", "h", and "d"'));		/* rint(), as the server rounds a setting */
 		IF units NOT BETWEEN -2147483648 AND 2147483647 THEN
 			RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, value
 				USING ERRCODE = 'invalid_parameter_value',
@@ -269,24 +285,14 @@ LANGUAGE plpgsql STABLE PARALLEL SAFE
 AS $$
 DECLARE
 	value text := current_setting(name, true);
-	parts text[];
 	amount double precision;
 	scale constant jsonb := '{"B": 1, "kB": 1024, "MB": 1048576, "GB": 1073741824, "TB": 1099511627776}';
 BEGIN
 	IF value IS NULL OR value = '' THEN
 		RETURN default_bytes;
 	END IF;
-	parts := regexp_match(value, '^\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$');
-	IF parts IS NULL THEN
-		RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, value
-			USING ERRCODE = 'invalid_parameter_value';
-	END IF;
-	IF parts[2] <> '' AND NOT scale ? parts[2] THEN
-		RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, value
-			USING ERRCODE = 'invalid_parameter_value',
-				  HINT = 'Valid units for this parameter are "B", "kB", "MB", "GB", and "TB".';
-	END IF;
-	amount := round(parts[1]::double precision * coalesce((scale ->> nullif(parts[2], ''))::double precision, 1));
+	amount := round(idempotency._setting_amount(name, value, scale, 'B',
+					'"B", "kB", "MB", "GB", and "TB"'));
 	IF amount NOT BETWEEN 1 AND max_bytes THEN
 		RAISE EXCEPTION '% B is outside the valid range for parameter "%" (1 .. %)',
 			amount::bigint, name, max_bytes
