@@ -225,7 +225,13 @@ is(waiter_answer('prepared-rollback', sub { $node->safe_psql('postgres', "ROLLBA
 
 # a completed key whose response expired, deleted by a purge that commits
 # while the waiter sleeps (idem_run_maintenance() purges in the caller's
-# transaction, so the deletion is in flight until it commits)
+# transaction, so the deletion is in flight until it commits).  The
+# worker's first purge comes first (after it, none for a day): on a busy
+# machine it could start late and take the key itself, and the waiter would
+# find nothing to wait for.
+$node->poll_query_until('postgres',
+	'SELECT worker_last_round IS NOT NULL FROM idempotency.stats')
+  or die "the worker never purged";
 $node->safe_psql('postgres', qq{
 	SELECT idempotency.idem_claim('wait', 'purged', ttl => '1 ms');
 	SELECT idempotency.idem_complete('wait', 'purged', 201, 'done');
