@@ -23,8 +23,8 @@ Then the edition's functions (sql-edition/*.sql, CREATE OR REPLACE FUNCTION)
 replace the stubs: CREATE OR REPLACE keeps each stub's comment and grants,
 and PostgreSQL refuses one whose argument names, defaults or result type
 differ.  Every stub must be replaced except the functions listed in
-NOT_YET (the outbox, the edition's next part); the script
-says which in its header.  The whole is one transaction.
+NOT_YET (what only a C edition can do: Citus's part of the outbox); the
+script says which in its header.  The whole is one transaction.
 
   scripts/build-sql-edition.py [--out DIR]
 """
@@ -38,14 +38,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EDITION = os.path.join(ROOT, "sql-edition")
 
 # The edition's own sources, in the order they run (helpers first).
-SOURCES = ["settings.sql", "keys.sql", "fingerprint.sql", "events.sql", "stats.sql", "maintenance.sql"]
+SOURCES = ["settings.sql", "keys.sql", "fingerprint.sql", "events.sql", "stats.sql", "outbox.sql", "maintenance.sql"]
 
 # C functions the edition does not have yet: they stay stubs (0A000).
-NOT_YET = {
-    "idem_outbox_enqueue", "idem_outbox_enqueue_batch", "idem_outbox_route",
-    "idem_outbox_fetch", "idem_outbox_ack", "idem_outbox_nack",
-    "idem_outbox_requeue", "idem_outbox_discard", "_outbox_on_shard",
-}
+# _outbox_on_shard is Citus's (a distributed outbox's part on one shard),
+# which a managed server without C does not have.
+NOT_YET = {"_outbox_on_shard"}
 
 C_FUNCTION = re.compile(
     r"CREATE FUNCTION idempotency\.(?P<name>\w+)\((?P<args>[^;]*?)"
@@ -98,7 +96,7 @@ def stub_body(name):
     return ("$stub$\nBEGIN\n"
             f"\tRAISE EXCEPTION '{name}() is not in the SQL edition of idempotency yet'\n"
             "\t\tUSING ERRCODE = 'feature_not_supported',\n"
-            "\t\t\t  HINT = 'Use the C edition (CREATE EXTENSION idempotency) for the outbox and maintenance.';\n"
+            "\t\t\t  HINT = 'It needs the C edition (CREATE EXTENSION idempotency).';\n"
             "END\n$stub$")
 
 
@@ -175,11 +173,11 @@ def main():
  * to run where schema idempotency already exists.
  *
  * This version has the idempotency keys, consumer deduplication,
- * fingerprints and idem_run_maintenance() (the purge of keys and events).
- * The outbox comes next: its tables exist (the idempotency.stats view reads
- * them), and its functions
- * ({not_yet})
- * raise 0A000 until then.  How the editions differ: doc/internals.md.
+ * fingerprints, the outbox (enqueue, routes, the pull API) and
+ * idem_run_maintenance() (the purge, and publishing of the routes SQL can
+ * serve), which pg_cron or the application's scheduler calls.  These
+ * functions raise 0A000: {not_yet}.
+ * How the editions differ: doc/internals.md.
  */
 
 BEGIN;

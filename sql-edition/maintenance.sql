@@ -16,8 +16,14 @@
  * by their ctids.  A claim that meets a row being purged waits for this
  * transaction, then finds it gone (keys.sql).
  *
- * The outbox's columns are 0: this edition has no outbox functions yet, so
- * no outbox row can exist to purge or publish (the outbox part fills them).
+ * Then the outbox: the published rows past idempotency.outbox_retention
+ * (those whose NOTIFY went out truncated past
+ * idempotency.notify_truncated_retention too), up to the batch, oldest
+ * first (STMT_PURGE_PUBLISHED); and one batch of publishing
+ * (publish_fast_then_carefully in src/bgw/publish.c): up to
+ * idempotency.publish_batch_size rows in one go, in a subtransaction; if
+ * that fails, at most 32, each in a subtransaction of its own, so that the
+ * failing row's attempt is recorded and the others go out (outbox.sql).
  */
 CREATE OR REPLACE FUNCTION idempotency.idem_run_maintenance(OUT purged_keys bigint,
 												 OUT purged_events bigint,
@@ -30,7 +36,10 @@ SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
 	batch integer;
+	publish_batch integer;
 	now_ts timestamptz;
+	truncated_before timestamptz;
+	retention interval;
 BEGIN
 	IF current_setting('transaction_read_only') = 'on' THEN
 		PERFORM idempotency._require_writable('idem_run_maintenance()');
@@ -51,8 +60,26 @@ BEGIN
 							LIMIT batch FOR UPDATE SKIP LOCKED));
 	GET DIAGNOSTICS purged_events = ROW_COUNT;
 
-	purged_outbox := 0;
-	published := 0;
-	publish_failures := 0;
+	now_ts := clock_timestamp();
+	truncated_before := now_ts - idempotency._duration_setting('idempotency.notify_truncated_retention', 's', 3600, 0);
+	retention := idempotency._duration_setting('idempotency.outbox_retention', 's', 0, 0);
+	/* STMT_PURGE_PUBLISHED */
+	DELETE FROM idempotency.outbox WHERE id IN (
+		SELECT o.id FROM idempotency.outbox o
+		WHERE o.state = 'published'
+		  AND o.published_at <= CASE WHEN retention = interval '0' THEN truncated_before ELSE now_ts - retention END
+		  AND (o.published_at <= truncated_before OR o.available_at <> 'infinity')
+		ORDER BY o.published_at LIMIT batch FOR UPDATE SKIP LOCKED);
+	GET DIAGNOSTICS purged_outbox = ROW_COUNT;
+
+	publish_batch := idempotency._integer_setting('idempotency.publish_batch_size', 1, 10000, 100);
+	now_ts := clock_timestamp();
+	BEGIN
+		SELECT p.published, p.failed INTO published, publish_failures
+		FROM idempotency._outbox_publish(now_ts, publish_batch, false) AS p;
+	EXCEPTION WHEN OTHERS THEN
+		SELECT p.published, p.failed INTO published, publish_failures
+		FROM idempotency._outbox_publish(now_ts, least(publish_batch, 32), true) AS p;
+	END;
 END
 $$;
