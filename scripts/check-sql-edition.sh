@@ -14,9 +14,9 @@
 #      the C edition's from a second server that preloads the installed
 #      library: tables, views, types, columns, constraints, indexes,
 #      comments, grants and function signatures must be identical;
-#   4. pg_regress with the C edition's sql/keys_*.sql and sql/events*.sql,
-#      and pg_isolation_regress with its specs/claim_*.spec and
-#      specs/events_*.spec, against the C edition's expected output as
+#   4. pg_regress with the C edition's sql/keys_*.sql, sql/events*.sql and
+#      sql/outbox*.sql, and pg_isolation_regress with its specs/claim_*.spec,
+#      specs/events_*.spec and specs/outbox_*.spec, against the C edition's expected output as
 #      sql-edition/differences.patch changes it: every difference between
 #      the editions is a hunk of that one file, with the reason above it,
 #      and a patch that no longer applies fails the suite;
@@ -176,9 +176,11 @@ fi
 t=$work/t
 mkdir -p "$t/sql" "$t/expected" "$t/specs"
 regress=(keys_claim keys_claim_scan keys_complete keys_lease keys_extend_lease keys_wait keys_fingerprint
-	keys_input keys_release_policy keys_security events events_batch maintenance_purge)
+	keys_input keys_release_policy keys_security events events_batch maintenance_purge
+	outbox outbox_batch outbox_routes outbox_fetch_plan)
 isolation=(claim_concurrent claim_rollback claim_lease claim_isolation_levels claim_result_times
-	claim_wait claim_wait_lease events_concurrent events_batch_concurrent)
+	claim_wait claim_wait_lease events_concurrent events_batch_concurrent
+	outbox_order outbox_relays outbox_per_key outbox_fences)
 for f in "${regress[@]}"; do cp "sql/$f.sql" "expected/$f.out" "$t/sql/" 2>/dev/null; mv "$t/sql/$f.out" "$t/expected/"; done
 for f in "${isolation[@]}"; do cp "specs/$f.spec" "$t/specs/"; cp "expected/$f.out" "$t/expected/"; done
 # The SQL edition's errors come from PL/pgSQL, which adds a CONTEXT line

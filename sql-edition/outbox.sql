@@ -30,7 +30,7 @@
 CREATE FUNCTION idempotency._ms_setting(name text, default_ms integer, min_ms integer DEFAULT 1)
 RETURNS integer
 LANGUAGE sql STABLE PARALLEL SAFE
-RETURN (pg_catalog.extract(epoch FROM idempotency._duration_setting(name, 'ms', default_ms, min_ms)) * 1000)::integer;
+RETURN (pg_catalog.date_part('epoch', idempotency._duration_setting(name, 'ms', default_ms, min_ms)) * 1000)::integer;
 
 /* The first argument of every outbox function that names a topic. */
 CREATE FUNCTION idempotency._check_topic(topic text)
@@ -228,6 +228,7 @@ RETURNS void
 LANGUAGE plpgsql VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE
 SECURITY DEFINER
 AS $$
+#variable_conflict use_column
 DECLARE
 	caller_path pg_catalog.text := pg_catalog.current_setting('search_path');
 	pinned_path pg_catalog.text := pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
