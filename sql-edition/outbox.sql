@@ -32,6 +32,32 @@ RETURNS integer
 LANGUAGE sql STABLE PARALLEL SAFE
 RETURN (pg_catalog.date_part('epoch', idempotency._duration_setting(name, 'ms', default_ms, min_ms)) * 1000)::integer;
 
+/*
+ * A function's signature as the C edition's messages write it
+ * (format_procedure_qualified): its schema always, and each argument's type
+ * schema-qualified but for those SQL names itself (integer, boolean, ...).
+ */
+CREATE FUNCTION idempotency._qualified_procedure(fn regprocedure)
+RETURNS text
+LANGUAGE sql STABLE PARALLEL SAFE
+AS $$
+	SELECT pg_catalog.quote_ident(n.nspname) || '.' || pg_catalog.quote_ident(p.proname) || '(' ||
+		   coalesce((SELECT pg_catalog.string_agg(
+						 CASE WHEN e.oid IN (1560, 16, 1042, 700, 701, 21, 23, 20, 1700, 1186, 1083,
+											 1266, 1114, 1184, 1562, 1043)
+							  THEN pg_catalog.format_type(e.oid, NULL)
+							  ELSE pg_catalog.quote_ident(en.nspname) || '.' || pg_catalog.quote_ident(e.typname) END
+						 || CASE WHEN e.oid <> t.oid THEN '[]' ELSE '' END, ',' ORDER BY a.i)
+					 FROM pg_catalog.unnest(p.proargtypes::pg_catalog.oid[]) WITH ORDINALITY AS a(typ, i)
+					 JOIN pg_catalog.pg_type t ON t.oid = a.typ
+					 JOIN pg_catalog.pg_type e
+					   ON e.oid = CASE WHEN t.typelem <> 0 AND t.typsubscript = 'pg_catalog.array_subscript_handler'::pg_catalog.regproc
+									   THEN t.typelem ELSE t.oid END
+					 JOIN pg_catalog.pg_namespace en ON en.oid = e.typnamespace), '') || ')'
+	FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+	WHERE p.oid = fn
+$$;
+
 /* The first argument of every outbox function that names a topic. */
 CREATE FUNCTION idempotency._check_topic(topic text)
 RETURNS void
@@ -273,9 +299,8 @@ BEGIN
 		PERFORM set_config('search_path', caller_path, true);
 		fn := p_destination::regprocedure;
 		PERFORM set_config('search_path', pinned_path, true);
-		/* (named as the pinned search_path shows it: schema-qualified) */
 		SELECT p.prokind, p.pronargs = 1 AND p.proargtypes[0] = 'idempotency.outbox'::regtype AS takes_one_row,
-			   fn::text AS qualified
+			   idempotency._qualified_procedure(fn) AS qualified
 		INTO proc
 		FROM pg_proc p WHERE p.oid = fn;
 		IF proc.prokind <> 'f' THEN

@@ -4,8 +4,9 @@
 The same random call sequences run on the C edition and on the SQL edition,
 statement by statement, and must give the same results and the same errors
 (SQLSTATE and message).  A sequence mixes every key, deduplication and
-fingerprint function (and idem_run_maintenance), with valid arguments on a
-few shared keys and events and, now and then, one of fuzz_args.py's hostile
+fingerprint function, the outbox's (enqueue, routes, the pull API) and
+idem_run_maintenance, with valid arguments on a few shared keys, events and
+topics and, now and then, one of fuzz_args.py's hostile
 values in any argument position; two sessions per edition, each going in and
 out of transactions (READ WRITE and READ ONLY), savepoints rolled back to
 or released, and valid values of the settings.
@@ -78,6 +79,16 @@ EXCLUDED = {
     # A positive wait of idem_claim: how long it waits is timing (the
     # claim_wait specs test it).  Only NULL, zero and negative waits.
     "positive_waits": True,
+    # The function target of a route: C runs the function as the role that
+    # set the route, the SQL edition only as its owner (0A000 otherwise:
+    # PL/pgSQL cannot change roles inside SECURITY DEFINER), and the
+    # editions here are owned by different roles.  Routes are set to
+    # notify, logical and none; a function destination is still fuzzed
+    # for its errors (no function in these databases takes an outbox row).
+    "route_targets": ["function"],
+    # Backoffs short enough to end between the two editions' calls: timing.
+    # publish_batch_size is the server's (PGC_SIGHUP) in C.
+    "outbox_settings": ["idempotency.publish_batch_size"],
 }
 
 SETTINGS = {
@@ -85,11 +96,24 @@ SETTINGS = {
     "idempotency.lease": ["'30min'", "'2h'", "'90000'"],
     "idempotency.event_retention": ["'3d'", "'7200'"],
     "idempotency.release_statuses": ["'500-599'", "'408,429'", "' '", "'200-299, 404'", "''"],
+    "idempotency.outbox_max_attempts": ["'1'", "'2'", "'10'"],
+    "idempotency.outbox_backoff_min": ["'5s'", "'1min'"],
+    "idempotency.outbox_backoff_max": ["'10s'", "'1h'"],
+    "idempotency.outbox_retention": ["'0'", "'1h'"],
+    "idempotency.notify_truncated_retention": ["'0'", "'1h'"],
 }
 for _name, _bad in EXCLUDED["setting_values"].items():
     SETTINGS[_name] = [v for v in SETTINGS[_name] if v.strip("'") not in _bad]
 
 KEYS = ["'k1'", "'k2'", "'k3'"]
+TOPICS = ["'t1'", "'t1'", "'t2'"]
+LEASED = "idempotency.outbox WHERE state = 'leased'"
+
+
+def ordered_arrays(values):
+    """The rows' order in the heap differs between the editions: ordered."""
+    return [re.sub(r"array_agg\((\w+)\) FROM idempotency\.outbox\)",
+                   r"array_agg(\1 ORDER BY id) FROM idempotency.outbox)", v) for v in values]
 EVENTS = ["'e1'", "'e2'", "'e3'"]
 
 
@@ -113,6 +137,17 @@ class Values:
                                 "FROM idempotency.processed_events ORDER BY consumer, event_id)")
                       for v in fa.hostile_name_arrays()],
         }
+        self.hostile.update({
+            "topic": fa.hostile_strings() + ["'*'"],
+            "target": [v for v in fa.hostile_targets()],
+            "destination": fa.hostile_destinations(),
+            "id": fa.hostile_ids(),
+            "ids": ordered_arrays(fa.hostile_id_arrays()),
+            "count": fa.hostile_counts(),
+            "jsonbs": fa.hostile_jsonb_arrays(),
+            "texts": fa.hostile_text_arrays(),
+            "attempts": ordered_arrays(fa.hostile_attempt_arrays()),
+        })
         self.hostile["wait"] = [v for v in self.hostile["interval"]
                                 if v in ("NULL", "'0'") or re.fullmatch(r"'-\d+ [a-z]+'", v)]
 
@@ -149,15 +184,44 @@ class Values:
             return r.choice(["NULL", "NULL", "1", "2"])
         if kind == "headers":
             return r.choice(["NULL", "'{\"h\": \"v\"}'"])
-        if kind == "jsonb":
+        if kind in ("jsonb", "payload"):
             return r.choice(["'{\"b\": 1, \"a\": [1, 2]}'", "'[]'"])
         if kind == "bytea":
             return r.choice([r"'\x0102'", r"'\x'"])
+        if kind == "topic":
+            return r.choice(TOPICS)
+        if kind == "okey":
+            return r.choice(["NULL"] + KEYS)
+        if kind == "target":
+            return r.choice([t for t in ["'notify'", "'logical'", "'none'", "'none'"]
+                             if t.strip("'") not in EXCLUDED["route_targets"]])
+        if kind == "destination":
+            return "NULL"
+        if kind == "id":
+            return r.choice([f"(SELECT min(id) FROM {LEASED})", f"(SELECT max(id) FROM {LEASED})",
+                             "(SELECT min(id) FROM idempotency.outbox WHERE state = 'dead')", "0"])
+        if kind == "ids":
+            return r.choice([f"(SELECT array_agg(id ORDER BY id) FROM {LEASED})",
+                             f"(SELECT array_agg(id ORDER BY id DESC) FROM {LEASED})",
+                             f"(SELECT array_agg(id ORDER BY id) FROM (SELECT id FROM {LEASED} ORDER BY id LIMIT 1) AS l)",
+                             "'{}'"])
+        if kind == "attempts":
+            return r.choice([f"(SELECT array_agg(attempts ORDER BY id) FROM {LEASED})",
+                             f"(SELECT array_agg(attempts - 1 ORDER BY id) FROM {LEASED})"])
+        if kind == "flease":
+            return r.choice(["'1 min'", "'1 hour'"])
+        if kind == "count":
+            return r.choice(["1", "2", "10", "100"])
+        if kind == "jsonbs":
+            return r.choice(["ARRAY['{\"n\": 1}', '{\"n\": 2}']::jsonb[]", "ARRAY['{}']::jsonb[]"])
+        if kind == "texts":
+            return r.choice(["NULL", "ARRAY['k1', 'k2']", "ARRAY['k3', NULL]", "ARRAY['k1']"])
         raise ValueError(kind)
 
     def pick(self, kind, sql_type, p_hostile):
         hostile_kind = {"scope": "text", "key": "text", "consumer": "text", "event": "text",
-                        "fingerprint": "text", "ttl": "interval", "lease": "interval"}.get(kind, kind)
+                        "fingerprint": "text", "ttl": "interval", "lease": "interval",
+                        "okey": "text", "payload": "jsonb", "flease": "interval"}.get(kind, kind)
         if hostile_kind in self.hostile and self.rng.random() < p_hostile:
             value = self.rng.choice(self.hostile[hostile_kind])
         else:
@@ -185,6 +249,19 @@ FUNCTIONS = [
     ("idem_mark_processed_batch", [("consumer", "text"), ("names", "text[]"), ("ttl", "interval")]),
     ("idem_is_processed_batch", [("consumer", "text"), ("names", "text[]")]),
     ("idem_run_maintenance", []),
+    ("idem_outbox_enqueue", [("topic", "text"), ("payload", "jsonb"), ("okey", "text"),
+                             ("headers", "jsonb")]),
+    ("idem_outbox_enqueue_batch", [("topic", "text"), ("jsonbs", "jsonb[]"), ("texts", "text[]")]),
+    ("idem_outbox_route", [("topic", "text"), ("target", "text"), ("destination", "text")]),
+    ("idem_outbox_fetch", [("topic", "text"), ("count", "integer"), ("flease", "interval"),
+                           ("count", "integer")]),
+    ("idem_outbox_fetch", [("topic", "text"), ("count", "integer")]),
+    ("idem_outbox_ack", [("ids", "bigint[]")]),
+    ("idem_outbox_ack", [("ids", "bigint[]"), ("attempts", "integer[]")]),
+    ("idem_outbox_nack", [("id", "bigint"), ("text", "text")]),
+    ("idem_outbox_nack", [("id", "bigint"), ("text", "text"), ("attempt", "integer")]),
+    ("idem_outbox_requeue", [("id", "bigint")]),
+    ("idem_outbox_discard", [("id", "bigint")]),
 ]
 FUNCTIONS = [f for f in FUNCTIONS if f[0] not in EXCLUDED["functions"]]
 
@@ -294,6 +371,9 @@ def main():
         with connect(dsn) as conn:
             conn.execute("DELETE FROM idempotency.keys")
             conn.execute("DELETE FROM idempotency.processed_events")
+            conn.execute("DELETE FROM idempotency.outbox")
+            conn.execute("DELETE FROM idempotency.outbox_routes")
+            conn.execute("SELECT setval('idempotency.outbox_id_seq', 1, false)")
     sessions = [Pair("A", dsns), Pair("B", dsns)]
     history = []
     counts = {"ok": 0, "rows": 0, "error": 0}
