@@ -28,11 +28,14 @@ SELECT count(*) AS c_edition_available FROM pg_available_extensions WHERE name =
 SELECT l.lanname, count(*) FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang
 WHERE p.pronamespace = 'idempotency'::regnamespace GROUP BY 1 ORDER BY 1;
 
--- every SECURITY DEFINER function pins its search_path
+-- every SECURITY DEFINER function pins its search_path: with a SET
+-- clause, or (idem_outbox_route, which resolves a function's name with the
+-- caller's search_path) in the first statement of its declarations
 SELECT p.oid::regprocedure AS definer_without_search_path
 FROM pg_proc p
 WHERE p.pronamespace = 'idempotency'::regnamespace AND p.prosecdef
-	AND NOT coalesce(p.proconfig @> '{"search_path=pg_catalog, pg_temp"}', false);
+	AND NOT coalesce(p.proconfig @> '{"search_path=pg_catalog, pg_temp"}', false)
+	AND NOT (p.proconfig IS NULL AND p.prosrc ~ '^\s*#variable_conflict use_column\s+DECLARE\s+caller_path pg_catalog\.text := pg_catalog\.current_setting\(''search_path''\);\s+pinned_path pg_catalog\.text := pg_catalog\.set_config\(''search_path'', ''pg_catalog, pg_temp'', true\);');
 
 -- the settings are not defined (a misspelt name is no error), and unset
 -- they have the C edition's defaults, which the functions read when used
@@ -42,9 +45,9 @@ SELECT idempotency._duration_setting('idempotency.key_ttl', 's', 86400) AS key_t
 	   idempotency._duration_setting('idempotency.lease', 'ms', 60000) AS lease,
 	   idempotency._duration_setting('idempotency.event_retention', 's', 1209600) AS event_retention;
 
--- the outbox is the edition's next part: 0A000 until then
+-- the outbox's part on a shard of Citus is the C edition's alone: 0A000
 \set VERBOSITY default
-SELECT idempotency.idem_outbox_enqueue('t', '{}');
+SELECT idempotency._outbox_on_shard('t', 'ack', '{}', NULL, NULL);
 \set VERBOSITY terse
 -- the statistics' row counts work; the counters are NULL, as in the C
 -- edition without shared_preload_libraries
