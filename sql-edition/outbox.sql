@@ -73,6 +73,32 @@ END
 $$;
 
 /*
+ * The rows just enqueued of a topic routed to notify or logical are
+ * published at once, in the enqueuing transaction, rather than by the next
+ * idem_run_maintenance(): a NOTIFY is delivered, and a transactional
+ * logical message decoded, only when the transaction commits, and neither
+ * if it rolls back, which is what publishing after the commit gives, with
+ * no wait for the schedule.  Each row goes as publishing would send it
+ * (the same message, the same truncated reference), in a subtransaction of
+ * its own; one held back by an earlier unpublished row of its key, or whose
+ * publication fails (its attempt recorded, as publishing records it), is
+ * left pending for idem_run_maintenance().  A topic routed to a function,
+ * to none, or not at all costs one look at the routes.
+ */
+CREATE FUNCTION idempotency._outbox_publish_at_commit(topic text, ids bigint[])
+RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	IF (SELECT r.target FROM idempotency.outbox_routes r
+		WHERE r.topic = $1 OR r.topic = '*' ORDER BY r.topic = '*' LIMIT 1) IN ('notify', 'logical') THEN
+		PERFORM idempotency._outbox_publish(clock_timestamp(), cardinality($2), true, $2);
+	END IF;
+END
+$$;
+
+/*
  * idem_outbox_enqueue(topic, payload, key, headers) -> bigint
  *
  * The row is written with one INSERT (the C edition writes the table and
@@ -122,6 +148,7 @@ BEGIN
 	INSERT INTO idempotency.outbox (id, topic, key, payload, headers, created_at, available_at)
 	VALUES (nextval('idempotency.outbox_id_seq'), p_topic, p_key, p_payload, p_headers, now_ts, now_ts)
 	RETURNING id INTO new_id;
+	PERFORM idempotency._outbox_publish_at_commit(p_topic, ARRAY[new_id]);
 	RETURN new_id;
 END
 $$;
@@ -229,6 +256,7 @@ BEGIN
 	SELECT ids[u.i], p_topic, u.key, u.payload, u.header, now_ts, now_ts
 	FROM unnest(p_payloads, p_keys, p_headers) WITH ORDINALITY AS u(payload, key, header, i)
 	WHERE u.i <= n;
+	PERFORM idempotency._outbox_publish_at_commit(p_topic, ids);
 	RETURN QUERY SELECT unnest(ids);
 END
 $$;
@@ -884,9 +912,12 @@ $$;
  * subtransaction of its own (a BEGIN ... EXCEPTION block), so that a route
  * that fails undoes only that row's attempt, which is recorded (backoff,
  * or dead); otherwise a failure raises, and the caller tries carefully.
- * looked says how many candidates there were.
+ * looked says how many candidates there were.  With only_ids: those rows, if
+ * they are candidates and routed to notify or logical (the enqueue's
+ * publishing, below), as STMT_PUBLISH_CANDIDATE_ROW takes one row.
  */
 CREATE FUNCTION idempotency._outbox_publish(now_ts timestamptz, lim integer, careful boolean,
+											only_ids bigint[] DEFAULT NULL,
 											OUT looked bigint, OUT published bigint, OUT failed bigint)
 RETURNS record
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
@@ -926,7 +957,44 @@ BEGIN
 		RETURN;
 	END IF;
 
-	IF routes.default_routed THEN
+	IF only_ids IS NOT NULL THEN
+		/* STMT_PUBLISH_CANDIDATE_ROW, for the rows given */
+		SELECT array_agg(c.id ORDER BY c.id), array_agg(c.event ORDER BY c.id), array_agg(c.target ORDER BY c.id),
+			   array_agg(c.destination ORDER BY c.id), array_agg(c.run_as ORDER BY c.id),
+			   array_agg(c.message ORDER BY c.id), array_agg(c.reference ORDER BY c.id),
+			   array_agg(c.previous_id ORDER BY c.id)
+		INTO ids, events, targets, destinations, run_ases, messages, refs, previous
+		FROM (
+			WITH picked AS (
+			  SELECT o AS event, o.id, o.topic, o.key, o.payload, o.headers, o.created_at
+			  FROM idempotency.outbox o
+			  WHERE o.state = 'pending' AND o.published_at IS NULL AND o.available_at <= now_ts
+				AND o.id = ANY (only_ids)
+				AND NOT EXISTS (SELECT FROM idempotency.outbox e
+								WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id
+								  AND e.state <> 'published' AND e.published_at IS NULL
+								  AND NOT (e.state = 'pending' AND e.available_at <= now_ts)
+								OFFSET 0)
+			  ORDER BY o.id LIMIT lim
+			  FOR UPDATE OF o SKIP LOCKED)
+			SELECT p.event, p.id, r.target, r.destination, r.run_as,
+				   json_build_object('id', p.id, 'topic', p.topic, 'key', p.key,
+									 'payload', p.payload, 'headers', p.headers,
+									 'created_at', p.created_at)::text AS message,
+				   json_build_object('id', p.id, 'topic', p.topic, 'key', p.key,
+									 'truncated', true, 'read',
+									 'SELECT payload, headers, created_at FROM idempotency.outbox WHERE id = ' || p.id)::text AS reference,
+				   (SELECT max(e.id) FROM idempotency.outbox e
+					WHERE e.topic = p.topic AND e.key = p.key AND e.id < p.id
+					  AND e.state <> 'published' AND e.published_at IS NULL) AS previous_id
+			FROM picked p
+			CROSS JOIN LATERAL (SELECT rt.target, rt.destination, rt.run_as
+								FROM idempotency.outbox_routes rt
+								WHERE rt.topic = p.topic OR rt.topic = '*'
+								ORDER BY rt.topic = '*' LIMIT 1) r
+			WHERE r.target IN ('notify', 'logical')
+			ORDER BY p.id) AS c;
+	ELSIF routes.default_routed THEN
 		/* STMT_PUBLISH_CANDIDATES_EXCEPT */
 		SELECT array_agg(c.id ORDER BY c.id), array_agg(c.event ORDER BY c.id), array_agg(c.target ORDER BY c.id),
 			   array_agg(c.destination ORDER BY c.id), array_agg(c.run_as ORDER BY c.id),
