@@ -231,9 +231,9 @@ sed -i -e "s|@script@|$script|" -e "s|@pgtle_script@|$pgtle_script|" "$t/sql/sql
 expecteddir=()
 "$pg_regress" --help 2>/dev/null | grep -q -- --expecteddir && expecteddir=(--expecteddir="$t")
 
-echo "-- pg_regress: $setup ${regress[*]} sql_edition_maintenance"
+echo "-- pg_regress: $setup ${regress[*]} sql_edition_maintenance sql_edition_outbox"
 "$pg_regress" --bindir="$bindir" --inputdir="$t" "${expecteddir[@]}" --outputdir="$t" --host="$work" --port="$sql_port" \
-	--user="$user" --dbname=sql_edition_regress "$setup" "${regress[@]}" sql_edition_maintenance || {
+	--user="$user" --dbname=sql_edition_regress "$setup" "${regress[@]}" sql_edition_maintenance sql_edition_outbox || {
 	status=1; cat "$t/regression.diffs"; }
 
 # the isolation database: the script kept in a table, installed by a function
