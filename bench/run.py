@@ -25,7 +25,8 @@ waiters parked, against the same without them.
 Environment: BENCH_SECONDS, BENCH_ROUNDS, BENCH_PUBLISH_SECONDS, BENCH_PURGE_ROWS,
 BENCH_WAITERS (1000), BENCH_PARTS (a subset of
 pairs,shapes,publish,wait,purge,outbox,endtoend,cold), BENCH_E2E_SECONDS (30),
-BENCH_COLD_ROWS (50000),
+BENCH_COLD_ROWS (50000), BENCH_EDITION_LINES (EDITION=sql: a subset of
+replay,claim_complete,mark_processed,enqueue,drain),
 BENCH_PAIRS (names of
 the pairs to run, comma-separated; all by default), BENCH_EXTRA_CONF
 (postgresql.conf lines for the cluster, separated by ';'), PG_CONFIG.
@@ -89,7 +90,11 @@ EDITION_LINES = [
     ("replay", "replay.sql"),
     ("claim_complete", "claim_complete.sql"),
     ("mark_processed", "mark_processed.sql"),
+    ("enqueue", "enqueue.sql"),
 ]
+# BENCH_EDITION_LINES: a subset of the names above and "drain"
+EDITION_WANTED = os.environ.get("BENCH_EDITION_LINES",
+                                ",".join([n for n, _ in EDITION_LINES] + ["drain"])).split(",")
 
 PG_CONFIG = os.environ.get("PG_CONFIG", "/usr/lib/postgresql/15/bin/pg_config")
 PGBIN = subprocess.run([PG_CONFIG, "--bindir"], capture_output=True, text=True,
@@ -972,7 +977,7 @@ def bench_edition(summary):
         header = f"{'workload':28} {'SQL tps':>10} {'lat ms':>7} {'C tps':>10} {'lat ms':>7} {'SQL/C':>6}"
         print(header)
         print("-" * len(header))
-        for name, script in EDITION_LINES:
+        for name, script in [line for line in EDITION_LINES if line[0] in EDITION_WANTED]:
             results = {"sql": [], "c": []}
             for round_no in range(ROUNDS):
                 order = [("sql", sql_cluster), ("c", c_cluster)]
@@ -991,6 +996,31 @@ def bench_edition(summary):
             print(f"   ratio in each round: {' '.join(f'{r:.2f}' for r in ratios)}; load {load()}",
                   flush=True)
             summary[f"sql_edition_{name}"] = round(ratio, 3)
+        if "drain" in EDITION_WANTED:
+            # one relay drains DRAIN_ROWS ready rows of 1,000 keys, fetch
+            # then ack in batches of 100, as bench_drain's "ours"
+            results = {"sql": [], "c": []}
+            for round_no in range(ROUNDS):
+                order = [("sql", sql_cluster), ("c", c_cluster)]
+                if round_no % 2:
+                    order.reverse()
+                for side, cluster in order:
+                    cluster.psql("TRUNCATE idempotency.outbox; "
+                                 "SELECT count(*) FROM idempotency.idem_outbox_enqueue_batch('drain', "
+                                 f"array_fill('{{\"order_id\": 123456, \"status\": \"created\"}}'::jsonb, ARRAY[{DRAIN_ROWS}]), "
+                                 f"(SELECT array_agg('k' || n % 1000) FROM generate_series(1, {DRAIN_ROWS}) n))")
+                    cluster.psql("VACUUM (ANALYZE) idempotency.outbox")
+                    cluster.psql("CHECKPOINT")
+                    results[side].append(drain_once(cluster, "drain.sql", DRAIN_ROWS // 100))
+                    left = int(cluster.psql("SELECT count(*) FROM idempotency.outbox"))
+                    if left:
+                        raise SystemExit(f"the {side} edition's drain left {left} rows")
+            ratios = [s_ / c_ for s_, c_ in zip(results["sql"], results["c"])]
+            print(f"{'drain (batches/s)':28} {statistics.median(results['sql']):10.0f} {'':7} "
+                  f"{statistics.median(results['c']):10.0f} {'':7} {statistics.median(ratios):6.2f}")
+            print(f"   ratio in each round: {' '.join(f'{r:.2f}' for r in ratios)}; load {load()}",
+                  flush=True)
+            summary["sql_edition_drain"] = round(statistics.median(ratios), 3)
     finally:
         c_cluster.stop()
         sql_cluster.stop()
