@@ -220,6 +220,11 @@ END
 $$;
 
 /*
+ * (Every function in the body is immutable, text || text rather than the
+ * stable text || anynonarray, so that the planner inlines it: called as a
+ * function, a SQL function's body is planned again for each statement that
+ * calls it, which made a lock cost more than the insert it guards.)
+ *
  * The advisory lock of a key or an event: a 64-bit hash of what it is and
  * of its two parts, length-prefixed so that no two pairs hash the same
  * text.  Advisory locks are per database; the lock space is shared with the
@@ -229,7 +234,7 @@ $$;
 CREATE FUNCTION idempotency._lock_id(kind text, a text, b text)
 RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT
-RETURN pg_catalog.hashtextextended(kind || pg_catalog.octet_length(a) || ':' || a || b, 7211);
+RETURN pg_catalog.hashtextextended(kind || pg_catalog.octet_length(a)::text || ':' || a || b, 7211);
 
 /*
  * Was this row version written by the current transaction (or one of its
