@@ -57,11 +57,14 @@ SELECT count(*) AS c_edition_available FROM pg_available_extensions WHERE name =
 SELECT l.lanname, count(*) FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang
 WHERE p.pronamespace = 'idempotency'::regnamespace GROUP BY 1 ORDER BY 1;
 
--- every SECURITY DEFINER function pins its search_path
+-- every SECURITY DEFINER function pins its search_path: with a SET
+-- clause, or (idem_outbox_route, which resolves a function's name with the
+-- caller's search_path) in the first statement of its declarations
 SELECT p.oid::regprocedure AS definer_without_search_path
 FROM pg_proc p
 WHERE p.pronamespace = 'idempotency'::regnamespace AND p.prosecdef
-	AND NOT coalesce(p.proconfig @> '{"search_path=pg_catalog, pg_temp"}', false);
+	AND NOT coalesce(p.proconfig @> '{"search_path=pg_catalog, pg_temp"}', false)
+	AND NOT (p.proconfig IS NULL AND p.prosrc ~ '^\s*#variable_conflict use_column\s+DECLARE\s+caller_path pg_catalog\.text := pg_catalog\.current_setting\(''search_path''\);\s+pinned_path pg_catalog\.text := pg_catalog\.set_config\(''search_path'', ''pg_catalog, pg_temp'', true\);');
 
 -- the functions work in the extension as in the plain script
 SELECT outcome, attempt FROM idempotency.idem_claim('pgtle', 'k1');
