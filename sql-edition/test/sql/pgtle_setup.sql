@@ -72,8 +72,13 @@ SELECT idempotency.idem_complete('pgtle', 'k1', 201, 'created');
 SELECT outcome, status_code, body FROM idempotency.idem_claim('pgtle', 'k1');
 SELECT idempotency.idem_mark_processed('pgtle', 'e1'), idempotency.idem_is_processed('pgtle', 'e1');
 SELECT purged_keys, purged_outbox FROM idempotency.idem_run_maintenance();
+SELECT idempotency.idem_outbox_enqueue('pgtle', '{}', 'k') AS outbox_id \gset
+SELECT id = :outbox_id AS fetched FROM idempotency.idem_outbox_fetch('pgtle');
+SELECT idempotency.idem_outbox_ack(ARRAY[:outbox_id]::bigint[]) AS acknowledged;
+-- (the outbox's tests that follow count ids from 1)
+SELECT setval('idempotency.outbox_id_seq', 1, false) IS NOT NULL AS sequence_reset;
 \set VERBOSITY terse
-SELECT idempotency.idem_outbox_enqueue('t', '{}');
+SELECT idempotency._outbox_on_shard('t', 'ack', '{}', NULL, NULL);
 DELETE FROM idempotency.keys WHERE scope = 'pgtle';
 DELETE FROM idempotency.processed_events WHERE consumer = 'pgtle';
 \set VERBOSITY default
