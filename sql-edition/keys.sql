@@ -1,7 +1,7 @@
 /*
  * Idempotency keys: idem_claim, idem_complete, idem_release,
  * idem_checkpoint and idem_extend_lease, with the C edition's arguments,
- * answers, SQLSTATEs and messages (src/api/keys.c decides the same way).
+ * answers, SQLSTATEs and messages (src/keys/keys.c decides the same way).
  *
  * SQL cannot see a row another transaction is inserting, and an INSERT or
  * UPDATE of a row another transaction holds waits for it.  So every write
@@ -235,7 +235,7 @@ $$;
 /*
  * The claim that idem_complete, idem_release, idem_checkpoint and
  * idem_extend_lease act on, with its lock held, or the error that says why
- * there is none (src/api/keys.c's find_claim).  A key another transaction
+ * there is none (src/keys/keys.c's find_claim).  A key another transaction
  * is writing is waited for (the C edition waits for its row) once its
  * committed row passes the checks, except a claim that is not committed
  * yet, which is not this transaction's.

@@ -1,7 +1,7 @@
 /*
  * idem_run_maintenance() without a worker: what pg_cron (or the
  * application's scheduler) calls, as in the C edition
- * (src/api/run_maintenance.c, src/bgw/purge.c), in the caller's
+ * (src/worker/run_maintenance.c, src/worker/purge.c), in the caller's
  * transaction.
  *
  * The purge: keys whose expires_at has passed (a completed key ttl after
