@@ -31,9 +31,16 @@
  * (replay, in_progress) are 40001 here (doc/internals.md lists the
  * differences).
  *
- * With a wait, a key held by a transaction in flight is waited for with
- * pg_advisory_xact_lock under lock_timeout (in a subtransaction rolled back
- * at once: the lock is never kept); a committed claim whose lease runs is
+ * With a wait, a key held by a transaction in flight is waited for in
+ * line: the claim that would write takes the key's lock with
+ * pg_advisory_xact_lock under lock_timeout (the time left) rather than
+ * trying it, and once the lock is its own, writes or finds the key
+ * changed and lets the lock go (its subtransaction rolled back) to the
+ * next in line, who finds the answer.  Trying and waiting apart, as this
+ * did first, never ends with many waiters: the lock always goes to the
+ * next in line, so it is never free when a waiter tries it (t/014, 32
+ * waiters, went round for the whole minute).  A committed claim whose
+ * lease runs is
  * looked at again every 10 ms (the C edition without shared_preload_libraries
  * does the same).
  */
@@ -62,6 +69,8 @@ DECLARE
 	lock_id bigint;
 	decision text;
 	busy boolean;
+	in_line boolean;
+	saved_lock_timeout text;
 	claimed boolean;
 BEGIN
 	/* the arguments, checked as the C edition checks them, in its order */
@@ -143,9 +152,25 @@ BEGIN
 			END IF;
 			claimed := false;
 			BEGIN
+				in_line := false;
 				IF NOT pg_try_advisory_xact_lock(lock_id) THEN
-					busy := true;	/* another transaction is writing the key */
-				ELSE
+					/* another transaction is writing the key: wait in line, or answer */
+					now_ts := clock_timestamp();
+					IF deadline IS NOT NULL AND decision <> 'mine' AND now_ts < deadline THEN
+						in_line := true;
+						saved_lock_timeout := current_setting('lock_timeout');
+						PERFORM set_config('lock_timeout',
+										   greatest(ceil(extract(epoch FROM deadline - now_ts) * 1000), 1)::bigint::text,
+										   true);
+						PERFORM pg_advisory_xact_lock(lock_id);
+						PERFORM set_config('lock_timeout', saved_lock_timeout, true);
+						in_line := false;
+						now_ts := clock_timestamp();
+					ELSE
+						busy := true;
+					END IF;
+				END IF;
+				IF NOT busy THEN
 					IF decision = 'new' THEN
 						INSERT INTO idempotency.keys AS k1
 							(scope, key, fingerprint, attempt, recovery_point, lease_expires_at,
@@ -180,8 +205,15 @@ BEGIN
 					END IF;
 					claimed := true;
 				END IF;
-			EXCEPTION WHEN SQLSTATE 'IDMRB' THEN
-				NULL;
+			EXCEPTION
+				WHEN SQLSTATE 'IDMRB' THEN
+					NULL;
+				WHEN lock_not_available THEN
+					/* the wait's own lock_timeout ran out (and is undone): in_progress */
+					IF NOT in_line THEN
+						RAISE;
+					END IF;
+					busy := true;
 			END;
 			IF claimed THEN
 				RETURN ROW('claimed', NULL, NULL, NULL,
@@ -198,27 +230,9 @@ BEGIN
 			now_ts := clock_timestamp();
 			IF now_ts < deadline THEN
 				remaining := deadline - now_ts;
-				IF busy THEN
-					/*
-					 * Wait for the writer's transaction: its lock, taken and
-					 * let go at once (the subtransaction is rolled back); the
-					 * lock_timeout set here ends with it.
-					 */
-					BEGIN
-						PERFORM set_config('lock_timeout',
-										   greatest(ceil(extract(epoch FROM remaining) * 1000), 1)::bigint::text,
-										   true);
-						PERFORM pg_advisory_xact_lock(lock_id);
-						RAISE SQLSTATE 'IDMRB';
-					EXCEPTION
-						WHEN SQLSTATE 'IDMRB' OR lock_not_available THEN
-							NULL;
-					END;
-				ELSE
-					/* a committed claim: look again in 10 ms, or at its lease's end */
-					PERFORM pg_sleep(greatest(0.001, extract(epoch FROM
-						least(remaining, interval '10 ms', k.lease_expires_at - now_ts))));
-				END IF;
+				/* a committed claim: look again in 10 ms, or at its lease's end */
+				PERFORM pg_sleep(greatest(0.001, extract(epoch FROM
+					least(remaining, interval '10 ms', k.lease_expires_at - now_ts))));
 				CONTINUE;
 			END IF;
 		END IF;
