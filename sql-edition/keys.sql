@@ -31,16 +31,19 @@
  * (replay, in_progress) are 40001 here (doc/internals.md lists the
  * differences).
  *
- * With a wait, a key held by a transaction in flight is waited for in
- * line: the claim that would write takes the key's lock with
- * pg_advisory_xact_lock under lock_timeout (the time left) rather than
- * trying it, and once the lock is its own, writes or finds the key
- * changed and lets the lock go (its subtransaction rolled back) to the
- * next in line, who finds the answer.  Trying and waiting apart, as this
- * did first, never ends with many waiters: the lock always goes to the
- * next in line, so it is never free when a waiter tries it (t/014, 32
- * waiters, went round for the whole minute).  A committed claim whose
- * lease runs is
+ * With a wait, a key held by a transaction in flight is waited for under
+ * lock_timeout (the time left), in two ways.  First alongside the key's
+ * other waiters: its lock taken shared (pg_advisory_xact_lock_shared) in a
+ * subtransaction rolled back at once, so that the holder's end wakes them
+ * all together and each finds the answer (a replay) at once.  A waiter
+ * that then still has to write waits in line: it takes the lock with
+ * pg_advisory_xact_lock rather than trying it, and once the lock is its
+ * own, writes, or finds the key changed and lets the lock go (its
+ * subtransaction rolled back) to the next in line.  Trying and waiting
+ * apart, as this did first, never ends with many waiters after a holder
+ * that rolls back: the lock always goes to some waiter, so it is never
+ * free when another tries it (t/014, 32 waiters, went round for the whole
+ * minute).  A committed claim whose lease runs is
  * looked at again every 10 ms (the C edition without shared_preload_libraries
  * does the same).
  */
@@ -70,6 +73,7 @@ DECLARE
 	decision text;
 	busy boolean;
 	in_line boolean;
+	waited boolean := false;
 	saved_lock_timeout text;
 	claimed boolean;
 BEGIN
@@ -156,7 +160,7 @@ BEGIN
 				IF NOT pg_try_advisory_xact_lock(lock_id) THEN
 					/* another transaction is writing the key: wait in line, or answer */
 					now_ts := clock_timestamp();
-					IF deadline IS NOT NULL AND decision <> 'mine' AND now_ts < deadline THEN
+					IF waited AND deadline IS NOT NULL AND now_ts < deadline THEN
 						in_line := true;
 						saved_lock_timeout := current_setting('lock_timeout');
 						PERFORM set_config('lock_timeout',
@@ -230,9 +234,29 @@ BEGIN
 			now_ts := clock_timestamp();
 			IF now_ts < deadline THEN
 				remaining := deadline - now_ts;
-				/* a committed claim: look again in 10 ms, or at its lease's end */
-				PERFORM pg_sleep(greatest(0.001, extract(epoch FROM
-					least(remaining, interval '10 ms', k.lease_expires_at - now_ts))));
+				IF busy THEN
+					/*
+					 * The first wait for a writer's transaction: its lock
+					 * taken shared, alongside the key's other waiters, and
+					 * let go at once (the subtransaction is rolled back, and
+					 * the lock_timeout set here with it).
+					 */
+					BEGIN
+						PERFORM set_config('lock_timeout',
+										   greatest(ceil(extract(epoch FROM remaining) * 1000), 1)::bigint::text,
+										   true);
+						PERFORM pg_advisory_xact_lock_shared(lock_id);
+						RAISE SQLSTATE 'IDMRB';
+					EXCEPTION
+						WHEN SQLSTATE 'IDMRB' OR lock_not_available THEN
+							NULL;
+					END;
+					waited := true;
+				ELSE
+					/* a committed claim: look again in 10 ms, or at its lease's end */
+					PERFORM pg_sleep(greatest(0.001, extract(epoch FROM
+						least(remaining, interval '10 ms', k.lease_expires_at - now_ts))));
+				END IF;
 				CONTINUE;
 			END IF;
 		END IF;
