@@ -14,37 +14,38 @@
 
 EXTENSION = idempotency
 MODULE_big = idempotency
-# By layer: the entry point; infra/ (what every part shares); direct/ (the
-# extension's tables); api/ (the SQL-callable functions); bgw/ (the
-# background work).  src/README.md says what each may call.
+# By concern, each a folder under src/ with its SQL-facing functions and
+# its data path: keys/, events/, outbox/, worker/ (the background work),
+# tables/ (the extension's tables), citus/ (the Citus adapter), infra/
+# (what they share).  src/README.md says what each may call.
 OBJS = \
 	src/idempotency.o \
+	src/keys/claim_scan.o \
+	src/keys/fingerprint.o \
+	src/keys/keys.o \
+	src/events/events.o \
+	src/outbox/outbox.o \
+	src/outbox/outbox_ack.o \
+	src/outbox/outbox_sql.o \
+	src/outbox/publish.o \
+	src/worker/launcher.o \
+	src/worker/purge.o \
+	src/worker/run_maintenance.o \
+	src/worker/worker.o \
+	src/tables/guard.o \
+	src/tables/table_check.o \
+	src/tables/tables.o \
+	src/citus/delegation_guard.o \
+	src/citus/shards.o \
 	src/infra/args.o \
 	src/infra/claim_wait.o \
 	src/infra/guc.o \
+	src/infra/maintenance.o \
 	src/infra/run_as.o \
-	src/infra/subxact.o \
 	src/infra/shmem.o \
-	src/direct/guard.o \
-	src/direct/outbox_ack.o \
-	src/direct/outbox_sql.o \
-	src/direct/shards.o \
-	src/direct/table_check.o \
-	src/direct/tables.o \
-	src/api/claim_scan.o \
-	src/api/delegation_guard.o \
-	src/api/events.o \
-	src/api/fingerprint.o \
-	src/api/keys.o \
-	src/api/outbox.o \
-	src/api/run_maintenance.o \
-	src/api/upgrade.o \
-	src/bgw/launcher.o \
-	src/bgw/maintenance.o \
-	src/bgw/publish.o \
-	src/bgw/purge.o \
-	src/bgw/worker.o \
-	src/bgw/worker_xact.o
+	src/infra/subxact.o \
+	src/infra/upgrade.o \
+	src/infra/worker_xact.o
 DATA = idempotency--1.0.sql idempotency--1.0--1.1.sql idempotency--1.1--1.2.sql
 PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 
@@ -52,7 +53,7 @@ PGFILEDESC = "idempotency - retry-safe APIs for PostgreSQL"
 # headers and on callback signatures (hooks, relcache callbacks), so it
 # stays off.
 PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter
-# Our headers are included by their path under src/ ("bgw/worker.h"), so
+# Our headers are included by their path under src/ ("worker/worker.h"), so
 # that each #include says which layer it reaches into.
 PG_CPPFLAGS = -I$(srcdir)/src
 

@@ -57,7 +57,7 @@ COMMENT ON COLUMN idempotency.claim_result.expires_at IS
 /*
  * idem_claim gains its sixth argument, wait.  A longer argument list is a
  * new function: it is created, the roles that could execute the 1.0
- * function get EXECUTE on it (idem_carry_grants, in src/api/upgrade.c, says
+ * function get EXECUTE on it (idem_carry_grants, in src/infra/upgrade.c, says
  * why this is not a plain GRANT), and the 1.0 function is dropped, since
  * two overloads would make every existing call ambiguous.  A view or a
  * BEGIN ATOMIC function that calls it stops the update with the usual
@@ -238,7 +238,7 @@ REVOKE ALL ON FUNCTION idempotency.idem_outbox_nack(bigint, text, integer) FROM 
  * delegated even inside a transaction block (force_delegation), so that a
  * claim, the business writes of the same tenant and the completion run on
  * the node of their shards and commit together there.  The C code finds
- * the shard itself (src/direct/shards.c).  Citus's functions are called by
+ * the shard itself (src/citus/shards.c).  Citus's functions are called by
  * name at run time: without Citus, 55000.
  */
 CREATE FUNCTION idempotency.idem_distribute(colocate_with regclass DEFAULT NULL)
@@ -331,7 +331,7 @@ REVOKE ALL ON FUNCTION idempotency.idem_distribute(regclass) FROM PUBLIC;
  * On a distributed outbox, the calls that name rows by id (ack, nack,
  * requeue, discard) find the rows' topics and have each topic's part done
  * by this function, which Citus delegates to the node of the topic's shard
- * (see on_the_topics_shards in src/api/outbox.c).  Only the owner of the
+ * (see on_the_topics_shards in src/outbox/outbox.c).  Only the owner of the
  * extension's tables runs it: the calls do, once their caller has been
  * allowed to call them.
  */

@@ -821,12 +821,17 @@ class Waiters:
             conn.close()
 
 
-def parked(session, count, timeout=120):
-    """Until count sessions sleep in idem_claim's wait."""
+# what a waiting claim shows in pg_stat_activity: the C edition's sleep in
+# its wait slot; the SQL edition's wait for the holder's lock
+PARKED_C = "wait_event_type = 'Extension' AND wait_event IN ('IdempotencyClaimWait', 'Extension')"
+PARKED_SQL_LOCK = "wait_event_type = 'Lock' AND wait_event = 'advisory'"
+
+
+def parked(session, count, timeout=120, condition=PARKED_C):
+    """Until count sessions wait in idem_claim's wait (condition)."""
     deadline = time.time() + timeout
     while session.query("SELECT count(*) FROM pg_stat_activity"
-                        " WHERE backend_type = 'client backend' AND wait_event_type = 'Extension'"
-                        " AND wait_event IN ('IdempotencyClaimWait', 'Extension')") != str(count):
+                        f" WHERE backend_type = 'client backend' AND {condition}") != str(count):
         if time.time() > deadline:
             raise SystemExit(f"{count} waiters did not all park within {timeout} s")
         time.sleep(0.05)
@@ -952,6 +957,68 @@ SELECT 'replay', n::text, NULL, 1, 201, '{"id": ' || n || ', "status": "created"
 FROM generate_series(1, 100000) n"""
 
 
+def bench_wake(cluster, edition, waiters=100, rounds=3):
+    """How soon a waiter answers once its holder commits (as bench_wait
+    measures it), for one edition's cluster: waiters on one key that a
+    claim in flight holds, and as many on keys of their own held by
+    committed claims whose leases run (the SQL edition looks at those again
+    every 10 ms).  Returns {case: (median p50, median p99)} in ms."""
+    import psycopg
+    session = cluster.session()
+    holder = psycopg.connect(host=cluster.dir, port=cluster.port, user="postgres",
+                             dbname="postgres", autocommit=True)
+    pool = Waiters(cluster, waiters)
+    cluster.psql("CREATE TABLE IF NOT EXISTS bench_wait_commit (key text, at float8)")
+
+    def commit(key, completion):
+        holder.execute("BEGIN; SET LOCAL synchronous_commit = off; " + completion +
+                       f"; INSERT INTO bench_wait_commit VALUES ('{key}',"
+                       " extract(epoch FROM clock_timestamp())); COMMIT")
+
+    def active_claims(count):
+        # a waiter that polls a committed claim's lease is active throughout
+        parked(session, count, condition="state = 'active' AND query LIKE '%idem_claim(''wait''%'")
+
+    results = {}
+    try:
+        for case in ("in flight", "committed"):
+            p50s, p99s = [], []
+            for round_no in range(rounds):
+                tag = f"{edition}-{'f' if case == 'in flight' else 'c'}-{round_no}"
+                if case == "in flight":
+                    keys = [tag] * waiters
+                    holder.execute(f"BEGIN; SELECT idempotency.idem_claim('wait', '{tag}')")
+                    pool.start(keys)
+                    parked(session, waiters, condition=PARKED_C if edition == "c" else PARKED_SQL_LOCK)
+                    commit(tag, f"SELECT idempotency.idem_complete('wait', '{tag}', 201, 'done')")
+                    at = [float(cluster.psql(f"SELECT at FROM bench_wait_commit WHERE key = '{tag}'"))] * waiters
+                else:
+                    keys = [f"{tag}-{i}" for i in range(waiters)]
+                    cluster.psql(f"SELECT idempotency.idem_claim('wait', '{tag}-' || n, lease => '1 hour')"
+                                 f" FROM generate_series(0, {waiters - 1}) n")
+                    pool.start(keys)
+                    if edition == "c":
+                        parked(session, waiters)
+                    else:
+                        active_claims(waiters)
+                    for key in keys:
+                        commit(key, f"SELECT idempotency.idem_complete('wait', '{key}', 201, 'done', NULL, 1)")
+                    commit_at = dict(line.split("|") for line in cluster.psql(
+                        f"SELECT key, at FROM bench_wait_commit WHERE key LIKE '{tag}-%'").splitlines())
+                    at = [float(commit_at[key]) for key in keys]
+                answers = pool.join()
+                assert all(outcome == "replay" for outcome, _ in answers), answers
+                p50, p99 = latencies(answers, at)
+                p50s.append(p50)
+                p99s.append(p99)
+            results[case] = (statistics.median(p50s), statistics.median(p99s))
+    finally:
+        pool.close()
+        holder.close()
+        session.close()
+    return results
+
+
 def bench_edition(summary):
     """The SQL edition against the C edition, in the same run: two fresh
     clusters from the same binaries and settings, one preloading the library
@@ -961,8 +1028,8 @@ def bench_edition(summary):
     goes first; the ratio is the median of the rounds' SQL / C."""
     if not SQL_EDITION_SCRIPT:
         raise SystemExit("EDITION=sql needs BENCH_SQL_EDITION: make bench builds the script")
-    c_cluster = Cluster(port_offset=1)
-    sql_cluster = Cluster(port_offset=2, preload=False)
+    c_cluster = Cluster(port_offset=1, extra_conf="max_connections = 200\n")
+    sql_cluster = Cluster(port_offset=2, preload=False, extra_conf="max_connections = 200\n")
     try:
         c_cluster.psql("CREATE EXTENSION idempotency")
         sql_cluster.psql("CREATE ROLE idem_owner LOGIN; "
@@ -1021,6 +1088,16 @@ def bench_edition(summary):
             print(f"   ratio in each round: {' '.join(f'{r:.2f}' for r in ratios)}; load {load()}",
                   flush=True)
             summary["sql_edition_drain"] = round(statistics.median(ratios), 3)
+        # a waiter's answer after its holder's commit, in each edition
+        wake = {edition: bench_wake(cluster, edition) for edition, cluster in
+                (("sql", sql_cluster), ("c", c_cluster))}
+        for case in ("in flight", "committed"):
+            print(f"wake, 100 waiters, holder {case:9}: SQL median {wake['sql'][case][0]:.2f} ms,"
+                  f" p99 {wake['sql'][case][1]:.2f} ms; C median {wake['c'][case][0]:.2f} ms,"
+                  f" p99 {wake['c'][case][1]:.2f} ms", flush=True)
+            name = "in_flight" if case == "in flight" else "committed"
+            summary[f"sql_edition_wake_{name}_p50_ms"] = round(wake["sql"][case][0], 2)
+            summary[f"c_edition_wake_{name}_p50_ms"] = round(wake["c"][case][0], 2)
     finally:
         c_cluster.stop()
         sql_cluster.stop()

@@ -21,7 +21,9 @@
 #      the editions is a hunk of that one file, with the reason above it,
 #      and a patch that no longer applies fails the suite;
 #   5. the differential fuzz (test/fuzz/diff_editions.py): the same random
-#      call sequences on both editions, the same results and SQLSTATEs.
+#      call sequences on both editions, the same results and SQLSTATEs;
+#   6. the TAP tests both editions pass (t/IdemTest.pm), the script
+#      installed by that role on a server of the private tree.
 #
 # VIA=pgtle (make check-pgtle) installs the edition through pg_tle instead:
 # the server preloads pg_tle only, idempotency-pgtle--<version>.sql is run
@@ -274,6 +276,24 @@ if [ "$via" = script ] && [ -n "${c_port:-}" ]; then
 	DIFF_C_DSN="host=$work port=$c_port dbname=diff_fuzz user=$user" \
 		DIFF_SQL_DSN="host=$work port=$sql_port dbname=diff_fuzz user=$user" \
 		/usr/bin/python3 test/fuzz/diff_editions.py || status=1
+fi
+
+# -- 6. the TAP tests that both editions pass (t/IdemTest.pm says how
+# each installs the edition and what differs), against the private tree's
+# server: the script installed as a role with only CREATE on the database,
+# nothing preloaded
+if [ "$via" = script ]; then
+	tap=(t/001_claim_race.pl t/014_claim_wait.pl)
+	echo "-- prove (IDEM_EDITION=sql): ${tap[*]}"
+	mkdir -p "$work/tap"
+	if ! PATH="$tree$bindir:$PATH" PG_REGRESS="$pg_regress" IDEM_EDITION=sql IDEM_SQL_SCRIPT="$script" \
+		TESTDIR="$work/tap" TESTDATADIR="$work/tap/tmp_check" TESTLOGDIR="$work/tap/log" \
+		prove -I "$pgxs_dir/../test/perl" -I . "${tap[@]}"; then
+		status=1
+		for log in "$work"/tap/log/regress_log_* "$work"/tap/tmp_check/log/regress_log_*; do
+			[ -e "$log" ] && { echo "-- $log (last 60 lines)"; tail -n 60 "$log"; }
+		done
+	fi
 fi
 
 exit $status

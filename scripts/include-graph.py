@@ -2,9 +2,9 @@
 """make include-graph: the include graph of the C modules under src/, and
 the checks that keep it a layering.
 
-A module is a .c file and its .h (src/bgw/purge.c and src/bgw/purge.h are
-bgw/purge); module A depends on module B when A's .c or .h includes B's
-header ("bgw/purge.h", found under src/).  Prints one line per module, with
+A module is a .c file and its .h (src/worker/purge.c and src/worker/purge.h are
+worker/purge); module A depends on module B when A's .c or .h includes B's
+header ("worker/purge.h", found under src/).  Prints one line per module, with
 the modules it includes, and fails (exit 1) when:
 
   - modules include one another in a cycle (printed), or

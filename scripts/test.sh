@@ -73,6 +73,18 @@ tar --exclude=./.git --exclude='./tmp_check*' --exclude=./results --exclude=./ou
 	-cf - . | tar -C "$work" -xf -
 [ "$(id -u)" -eq 0 ] && chown -R "$RUN_AS" "$work"
 
+# count_prove LOG: sets passed, failed and skipped from prove's summary in
+# LOG: "Files=15, Tests=312, ..." and, under "Test Summary Report", a line
+# per failed file: "t/003_x.pl   (Wstat: 512 (exited 2) ...)"
+count_prove() {
+	local files
+	files=$(sed -n 's/^Files=\([0-9]*\),.*/\1/p' "$1" | tail -n 1)
+	failed=$(grep -Ec '^t/[^ ]*\.pl +\(Wstat: ' "$1")
+	skipped=$(grep -Ec '^t/[^ ]*\.pl \.* ?skipped' "$1")
+	passed=$((${files:-0} - failed - skipped))
+	[ "$passed" -ge 0 ] || passed=0
+}
+
 # count_suite SUITE LOG STATUS: sets passed, failed and skipped from the
 # suite's output (see the top of this file)
 count_suite() {
@@ -80,21 +92,19 @@ count_suite() {
 	passed=0 failed=0 skipped=0
 	case $suite in
 	installcheck | regress | isolation | sql-edition | pgtle)
+		# (the sql-edition suite's TAP files too, from prove's summary)
+		[ "$suite" = sql-edition ] && count_prove "$log"
+		local tap_passed=$passed tap_failed=$failed
 		# "All 17 tests passed.", "2 of 17 tests failed." (15: with a
 		# leading space; 16 and later: after "# ")
 		read -r passed failed < <(awk '
 			match($0, /All [0-9]+ tests passed/) { split(substr($0, RSTART), w, " "); p += w[2] }
 			match($0, /[0-9]+ of [0-9]+ tests failed/) { split(substr($0, RSTART), w, " "); f += w[1]; p += w[3] - w[1] }
 			END { print p + 0, f + 0 }' "$log")
+		passed=$((passed + ${tap_passed:-0})) failed=$((failed + ${tap_failed:-0}))
 		;;
 	tap | citus)
-		# "Files=15, Tests=312, ..." and, under "Test Summary Report", a
-		# line per failed file: "t/003_x.pl   (Wstat: 512 (exited 2) ...)"
-		files=$(sed -n 's/^Files=\([0-9]*\),.*/\1/p' "$log" | tail -n 1)
-		failed=$(grep -Ec '^t/[^ ]*\.pl +\(Wstat: ' "$log")
-		skipped=$(grep -Ec '^t/[^ ]*\.pl \.* ?skipped' "$log")
-		passed=$((${files:-0} - failed - skipped))
-		[ "$passed" -ge 0 ] || passed=0
+		count_prove "$log"
 		;;
 	examples)
 		passed=$(grep -Ec '^ok: (clients|examples)/' "$log")

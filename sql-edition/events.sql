@@ -1,6 +1,6 @@
 /*
  * Consumer deduplication: idem_mark_processed, idem_is_processed and their
- * batch forms, with the C edition's answers and errors (src/api/events.c).
+ * batch forms, with the C edition's answers and errors (src/events/events.c).
  *
  * A mark is INSERT ... ON CONFLICT DO NOTHING, which waits, as the C
  * edition does, for a concurrent mark of the same event and then counts by

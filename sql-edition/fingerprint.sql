@@ -1,6 +1,6 @@
 /*
  * idem_fingerprint: the hex SHA-256 of a request, the same digits as the C
- * edition's (src/api/fingerprint.c).  For jsonb, of its canonical text,
+ * edition's (src/keys/fingerprint.c).  For jsonb, of its canonical text,
  * which is jsonb's own output (keys sorted and unique, one space after each
  * colon and comma); for text, of its bytes in the database's encoding (a
  * conversion to the same encoding changes nothing); for bytea, of the bytes.

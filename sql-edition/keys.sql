@@ -1,7 +1,7 @@
 /*
  * Idempotency keys: idem_claim, idem_complete, idem_release,
  * idem_checkpoint and idem_extend_lease, with the C edition's arguments,
- * answers, SQLSTATEs and messages (src/api/keys.c decides the same way).
+ * answers, SQLSTATEs and messages (src/keys/keys.c decides the same way).
  *
  * SQL cannot see a row another transaction is inserting, and an INSERT or
  * UPDATE of a row another transaction holds waits for it.  So every write
@@ -31,9 +31,19 @@
  * (replay, in_progress) are 40001 here (doc/internals.md lists the
  * differences).
  *
- * With a wait, a key held by a transaction in flight is waited for with
- * pg_advisory_xact_lock under lock_timeout (in a subtransaction rolled back
- * at once: the lock is never kept); a committed claim whose lease runs is
+ * With a wait, a key held by a transaction in flight is waited for under
+ * lock_timeout (the time left), in two ways.  First alongside the key's
+ * other waiters: its lock taken shared (pg_advisory_xact_lock_shared) in a
+ * subtransaction rolled back at once, so that the holder's end wakes them
+ * all together and each finds the answer (a replay) at once.  A waiter
+ * that then still has to write waits in line: it takes the lock with
+ * pg_advisory_xact_lock rather than trying it, and once the lock is its
+ * own, writes, or finds the key changed and lets the lock go (its
+ * subtransaction rolled back) to the next in line.  Trying and waiting
+ * apart, as this did first, never ends with many waiters after a holder
+ * that rolls back: the lock always goes to some waiter, so it is never
+ * free when another tries it (t/014, 32 waiters, went round for the whole
+ * minute).  A committed claim whose lease runs is
  * looked at again every 10 ms (the C edition without shared_preload_libraries
  * does the same).
  */
@@ -62,6 +72,9 @@ DECLARE
 	lock_id bigint;
 	decision text;
 	busy boolean;
+	in_line boolean;
+	waited boolean := false;
+	saved_lock_timeout text;
 	claimed boolean;
 BEGIN
 	/* the arguments, checked as the C edition checks them, in its order */
@@ -143,9 +156,25 @@ BEGIN
 			END IF;
 			claimed := false;
 			BEGIN
+				in_line := false;
 				IF NOT pg_try_advisory_xact_lock(lock_id) THEN
-					busy := true;	/* another transaction is writing the key */
-				ELSE
+					/* another transaction is writing the key: wait in line, or answer */
+					now_ts := clock_timestamp();
+					IF waited AND deadline IS NOT NULL AND now_ts < deadline THEN
+						in_line := true;
+						saved_lock_timeout := current_setting('lock_timeout');
+						PERFORM set_config('lock_timeout',
+										   greatest(ceil(extract(epoch FROM deadline - now_ts) * 1000), 1)::bigint::text,
+										   true);
+						PERFORM pg_advisory_xact_lock(lock_id);
+						PERFORM set_config('lock_timeout', saved_lock_timeout, true);
+						in_line := false;
+						now_ts := clock_timestamp();
+					ELSE
+						busy := true;
+					END IF;
+				END IF;
+				IF NOT busy THEN
 					IF decision = 'new' THEN
 						INSERT INTO idempotency.keys AS k1
 							(scope, key, fingerprint, attempt, recovery_point, lease_expires_at,
@@ -180,8 +209,15 @@ BEGIN
 					END IF;
 					claimed := true;
 				END IF;
-			EXCEPTION WHEN SQLSTATE 'IDMRB' THEN
-				NULL;
+			EXCEPTION
+				WHEN SQLSTATE 'IDMRB' THEN
+					NULL;
+				WHEN lock_not_available THEN
+					/* the wait's own lock_timeout ran out (and is undone): in_progress */
+					IF NOT in_line THEN
+						RAISE;
+					END IF;
+					busy := true;
 			END;
 			IF claimed THEN
 				RETURN ROW('claimed', NULL, NULL, NULL,
@@ -200,20 +236,22 @@ BEGIN
 				remaining := deadline - now_ts;
 				IF busy THEN
 					/*
-					 * Wait for the writer's transaction: its lock, taken and
-					 * let go at once (the subtransaction is rolled back); the
-					 * lock_timeout set here ends with it.
+					 * The first wait for a writer's transaction: its lock
+					 * taken shared, alongside the key's other waiters, and
+					 * let go at once (the subtransaction is rolled back, and
+					 * the lock_timeout set here with it).
 					 */
 					BEGIN
 						PERFORM set_config('lock_timeout',
 										   greatest(ceil(extract(epoch FROM remaining) * 1000), 1)::bigint::text,
 										   true);
-						PERFORM pg_advisory_xact_lock(lock_id);
+						PERFORM pg_advisory_xact_lock_shared(lock_id);
 						RAISE SQLSTATE 'IDMRB';
 					EXCEPTION
 						WHEN SQLSTATE 'IDMRB' OR lock_not_available THEN
 							NULL;
 					END;
+					waited := true;
 				ELSE
 					/* a committed claim: look again in 10 ms, or at its lease's end */
 					PERFORM pg_sleep(greatest(0.001, extract(epoch FROM
@@ -235,7 +273,7 @@ $$;
 /*
  * The claim that idem_complete, idem_release, idem_checkpoint and
  * idem_extend_lease act on, with its lock held, or the error that says why
- * there is none (src/api/keys.c's find_claim).  A key another transaction
+ * there is none (src/keys/keys.c's find_claim).  A key another transaction
  * is writing is waited for (the C edition waits for its row) once its
  * committed row passes the checks, except a claim that is not committed
  * yet, which is not this transaction's.

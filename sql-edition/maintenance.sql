@@ -1,7 +1,7 @@
 /*
  * idem_run_maintenance() without a worker: what pg_cron (or the
  * application's scheduler) calls, as in the C edition
- * (src/api/run_maintenance.c, src/bgw/purge.c), in the caller's
+ * (src/worker/run_maintenance.c, src/worker/purge.c), in the caller's
  * transaction.
  *
  * The purge: keys whose expires_at has passed (a completed key ttl after
@@ -20,7 +20,7 @@
  * (those whose NOTIFY went out truncated past
  * idempotency.notify_truncated_retention too), up to the batch, oldest
  * first (STMT_PURGE_PUBLISHED); and one batch of publishing
- * (publish_fast_then_carefully in src/bgw/publish.c): up to
+ * (publish_fast_then_carefully in src/outbox/publish.c): up to
  * idempotency.publish_batch_size rows in one go, in a subtransaction; if
  * that fails, at most 32, each in a subtransaction of its own, so that the
  * failing row's attempt is recorded and the others go out (outbox.sql).

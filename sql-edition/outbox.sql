@@ -2,8 +2,8 @@
  * The transactional outbox: idem_outbox_enqueue and its batch form, the
  * routes, and the pull API for external relays (fetch, ack, nack, requeue,
  * discard), with the C edition's arguments, answers, SQLSTATEs and messages
- * (src/api/outbox.c).  The C edition runs the outbox's statements through
- * SPI (src/direct/outbox_sql.c); these functions run the same statements,
+ * (src/outbox/outbox.c).  The C edition runs the outbox's statements through
+ * SPI (src/outbox/outbox_sql.c); these functions run the same statements,
  * their $n parameters written as the variables they are given from, so
  * that the two editions read, lock and write the same rows in the same
  * order.  The statements are marked with the name they have there
@@ -531,7 +531,7 @@ $$;
 /*
  * The acknowledgement of ids (fenced: each still under the hand-out whose
  * attempts p_attempts gives beside it), as acknowledge_on in
- * src/api/outbox.c: the order check (STMT_ACK_CHECK, or its fenced form);
+ * src/outbox/outbox.c: the order check (STMT_ACK_CHECK, or its fenced form);
  * the rows a later row of their key relies on held (STMT_ACK_HOLD), each
  * chain cut at the first row no longer taken; then the write of the rows
  * let through that are still taken (STMT_ACK_CHECKED_*).  Under READ
@@ -827,7 +827,7 @@ $$;
 /*
  * ---------------------------------------------------------------------
  * Publishing, for idem_run_maintenance() (maintenance.sql): the routes
- * SQL can serve, as src/bgw/publish.c serves them.
+ * SQL can serve, as src/outbox/publish.c serves them.
  * ---------------------------------------------------------------------
  */
 

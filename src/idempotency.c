@@ -5,8 +5,8 @@
  *	  to the server, and does nothing else.
  *
  * Owns: the order of registration.
- * May call: the register functions of api/claim_scan.h,
- *	  api/delegation_guard.h, bgw/launcher.h, infra/guc.h and infra/shmem.h.  Nothing includes this file's symbols.
+ * May call: the register functions of keys/claim_scan.h,
+ *	  citus/delegation_guard.h, worker/launcher.h, infra/guc.h and infra/shmem.h.  Nothing includes this file's symbols.
  *
  *-------------------------------------------------------------------------
  */
@@ -15,9 +15,9 @@
 #include "fmgr.h"
 #include "miscadmin.h"
 
-#include "api/claim_scan.h"
-#include "api/delegation_guard.h"
-#include "bgw/launcher.h"
+#include "keys/claim_scan.h"
+#include "citus/delegation_guard.h"
+#include "worker/launcher.h"
 #include "infra/guc.h"
 #include "infra/shmem.h"
 

@@ -8,23 +8,26 @@ use strict;
 use warnings;
 
 use IPC::Run;
+use FindBin;
+use lib $FindBin::RealBin;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+
+use IdemTest;
 
 my $sessions = 32;
 my $rounds = 5;
 
 my $node = PostgreSQL::Test::Cluster->new('race');
 $node->init;
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idempotency'
+$node->append_conf('postgresql.conf', preload() . qq{
 max_connections = 60
 });
 $node->start;
+install_idempotency($node);
 
 $node->safe_psql('postgres', q{
-	CREATE EXTENSION idempotency;
 	CREATE TABLE side_effects (key text, backend int);
 	CREATE TABLE outcomes (key text, outcome text);
 

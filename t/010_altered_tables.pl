@@ -185,7 +185,7 @@ is($node->safe_psql('postgres', "SELECT attempt FROM idempotency.keys WHERE key 
 
 # A table Citus lists (its catalog, reproduced here) is an empty shell on
 # this node.  Hash-distributed, its rows are in shards, which Citus's own
-# functions find (src/direct/shards.c): without them, 55000 rather than a
+# functions find (src/citus/shards.c): without them, 55000 rather than a
 # read of the shell.  Any other kind of Citus table (a reference table
 # here) is refused with 0A000.
 ($ret, $out, $err) = $node->psql('postgres', q{

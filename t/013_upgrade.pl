@@ -11,9 +11,13 @@
 use strict;
 use warnings;
 
+use FindBin;
+use lib $FindBin::RealBin;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+
+use IdemTest;
 
 my $node = PostgreSQL::Test::Cluster->new('upgrade');
 $node->init;
@@ -269,37 +273,7 @@ is($node->safe_psql('old', q{
 	"idem_claim's initial privileges are the script's, as its siblings'");
 
 # The updated database has the objects a fresh 1.1 install has.
-my $objects = q{
-	SELECT string_agg(o, E'\n' ORDER BY o) FROM (
-		SELECT pg_describe_object(d.classid, d.objid, 0) || ': '
-		       || coalesce(CASE d.classid
-		            WHEN 'pg_proc'::regclass THEN pg_get_functiondef(d.objid)
-		            WHEN 'pg_type'::regclass THEN
-		              (SELECT string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod), ', '
-		                                 ORDER BY a.attnum)
-		               FROM pg_type t JOIN pg_attribute a ON a.attrelid = t.typrelid
-		               WHERE t.oid = d.objid AND a.attnum > 0 AND NOT a.attisdropped)
-		            WHEN 'pg_class'::regclass THEN
-		              (SELECT string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
-		                                 || CASE WHEN a.attnotnull THEN ' not null' ELSE '' END, ', '
-		                                 ORDER BY a.attnum)
-		               FROM pg_attribute a
-		               WHERE a.attrelid = d.objid AND a.attnum > 0 AND NOT a.attisdropped)
-		              || ' ' || coalesce((SELECT string_agg(conname || ' ' || pg_get_constraintdef(oid)
-		                                                    || ' ' || convalidated, ', ' ORDER BY conname)
-		                                  FROM pg_constraint WHERE conrelid = d.objid), '')
-		              || ' ' || coalesce((SELECT string_agg(pg_get_indexdef(indexrelid), ', '
-		                                                    ORDER BY 1)
-		                                  FROM pg_index WHERE indrelid = d.objid), '')
-		          END, '')
-		       || ' / ' || coalesce(obj_description(d.objid, d.classid::regclass::name), '')
-		       || ' / ' || coalesce((SELECT initprivs::text FROM pg_init_privs i
-		                             WHERE i.objoid = d.objid AND i.classoid = d.classid
-		                               AND i.objsubid = 0), '') AS o
-		FROM pg_depend d
-		WHERE d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e'
-		  AND d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idempotency')
-	) objects};
+my $objects = extension_objects_query();
 $node->safe_psql('postgres', 'CREATE DATABASE fresh');
 $node->safe_psql('fresh', "CREATE EXTENSION idempotency VERSION '1.1'");
 is($node->safe_psql('old', $objects), $node->safe_psql('fresh', $objects),

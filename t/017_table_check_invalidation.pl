@@ -1,4 +1,4 @@
-# The shape check of an extension table (src/direct/table_check.c) runs
+# The shape check of an extension table (src/tables/table_check.c) runs
 # again after every relcache invalidation of the table and after every
 # sinval reset, and the relcache entry it reads can be rebuilt in the middle
 # of it, when it opens a catalog.  A healthy table must never be refused for

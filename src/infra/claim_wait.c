@@ -6,7 +6,7 @@
  *
  * Owns: the wait slots in shared memory (sized from infra/shmem.c's hooks),
  *	  the waiter's sleep, and the wake-up that a transaction which changed a
- *	  key sends when it ends.  api/keys.c decides when to wait (an answer
+ *	  key sends when it ends.  keys/keys.c decides when to wait (an answer
  *	  that would be in_progress) and looks at the key again after each
  *	  wake-up; nothing here reads a table.
  * May call: infra/args.h (idem_timestamp_plus), infra/guc.h, compat.h.

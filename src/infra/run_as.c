@@ -3,8 +3,8 @@
  * run_as.c
  *	  Running code as another role, in the manner of a SECURITY DEFINER
  *	  function: the outbox's statements as the owner of the extension's
- *	  tables (direct/outbox_sql.c), a route's function as the role that set
- *	  the route (bgw/publish.c).
+ *	  tables (outbox/outbox_sql.c), a route's function as the role that set
+ *	  the route (outbox/publish.c).
  *
  * Owns: the switch of user and security context, and the search_path
  *	  pinned to pg_catalog, pg_temp meanwhile.

@@ -13,7 +13,7 @@
  *
  * Owns: the shared state, the commit callback that sets a worker's latch,
  *	  the utility hook, idem_stats_counters().
- * May call: direct/guard.h (from the utility hook), infra/guc.h.
+ * May call: tables/guard.h (from the utility hook), infra/guc.h.
  *
  *-------------------------------------------------------------------------
  */
@@ -38,7 +38,7 @@
 #include "utils/tuplestore.h"
 
 #include "compat.h"
-#include "direct/guard.h"
+#include "tables/guard.h"
 #include "infra/claim_wait.h"
 #include "infra/guc.h"
 #include "infra/shmem.h"

@@ -6,8 +6,8 @@
  *	  found them, however it ends, and an ERROR caught or let through.
  *
  * Owns: nothing.
- * May call: the server only.  Called by bgw/publish.c (each row's
- *	  publication, idem_run_maintenance's batches), direct/tables.c (the
+ * May call: the server only.  Called by outbox/publish.c (each row's
+ *	  publication, idem_run_maintenance's batches), tables/tables.c (the
  *	  outbox sequence's move).
  *
  *-------------------------------------------------------------------------
