@@ -12,14 +12,17 @@ SHOW idempotency.key_ttl;
 SHOW idempotency.lease;
 SHOW idempotency.release_statuses;
 
--- every primary key leads with the column a Citus cluster would distribute
--- the table by (see doc/integrations/citus.md)
-SELECT c.relname AS "table", a.attname AS first_primary_key_column
+-- every primary key holds the column a Citus cluster would distribute the
+-- table by (see doc/integrations/citus.md), first but for the outbox's,
+-- which finds a row by id
+SELECT c.relname AS "table",
+       string_agg(a.attname, ', ' ORDER BY k.n) AS primary_key_columns
 FROM pg_index i
 JOIN pg_class c ON c.oid = i.indrelid
-JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k (attnum, n)
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
 WHERE i.indisprimary AND c.relnamespace = 'idempotency'::regnamespace
-ORDER BY 1;
+GROUP BY 1 ORDER BY 1;
 
 -- without Citus, idem_distribute() refuses and says what it needs
 SELECT idempotency.idem_distribute();

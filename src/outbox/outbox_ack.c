@@ -31,7 +31,7 @@
  * 1.0 whose predicates name state, an index a user altered), it says so
  * and the caller makes the whole check in SQL instead.
  *
- * Owns: the reading of outbox_id, outbox_ready and outbox_key_order for the
+ * Owns: the reading of outbox_pkey (1.1: outbox_id), outbox_ready and outbox_key_order for the
  *	  check, and what it needs of them (open_checked_index).
  * May call: tables/tables.h.  Called by outbox/outbox.c.
  *
@@ -444,7 +444,10 @@ outbox_ack_unblocked(ArrayType *ids, ArrayType *attempts, bool fenced, Snapshot 
 
 	MemoryContextSwitchTo(work);
 	check.heap = idem_outbox_open(AccessShareLock);
-	by_id = open_checked_index(check.heap, "outbox_id", 1, id_columns, false);
+	/* 1.2's primary key leads with the id; at 1.1, an index of its own */
+	by_id = open_checked_index(check.heap, "outbox_pkey", 1, id_columns, false);
+	if (by_id == NULL)
+		by_id = open_checked_index(check.heap, "outbox_id", 1, id_columns, false);
 	ready = open_checked_index(check.heap, "outbox_ready", 2, ready_columns, false);
 	key_order = open_checked_index(check.heap, "outbox_key_order", 3, key_columns, true);
 	if (by_id == NULL || ready == NULL || key_order == NULL)

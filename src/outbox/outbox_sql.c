@@ -365,10 +365,11 @@ static const char *const walk_in_order_settings[] = {
  * option, set too), and it is planned, whenever plancache.c builds it
  * (the first call, and the first after an invalidation: an ANALYZE, a
  * VACUUM, DDL), under walk_in_order_settings: what is left is the walk of
- * outbox_ready (the scan; or the primary key, the same columns, when the
- * statistics cannot tell them apart), outbox_key_order (the followers of
- * a key) and outbox_id (the heads and the lease, by id), in order, and
- * the cursor's reads stop where the batch is full.  The cost of a fetch
+ * outbox_ready (the scan; at 1.1 or the primary key, the same columns,
+ * when the statistics cannot tell them apart), outbox_key_order (the
+ * followers of a key) and the primary key (the heads and the lease, by
+ * id; at 1.1 outbox_id), in order, and the cursor's reads stop where the
+ * batch is full.  The cost of a fetch
  * is then that of its batch, whatever the backlog and whatever the
  * statistics say.  The settings are made around each run, since whether
  * plancache.c will plan again is only known inside it (an invalidation
@@ -551,7 +552,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	},
 	/*
 	 * Not walk_in_order: the only index in id order across topics is
-	 * outbox_id, which holds the published rows kept for outbox_retention
+	 * the primary key (1.1: outbox_id), which holds the published rows kept for outbox_retention
 	 * too, at the front, and a walk would read every one of them for each
 	 * batch.
 	 */

@@ -170,13 +170,33 @@ idem_primary_key_index(Relation heap)
 	return compat_primary_key_index(heap);
 }
 
+/* Are the primary key's columns these, with the default operator classes? */
+static bool
+primary_key_is(Relation index, const ExpectedTable *def, const AttrNumber *pkey_columns)
+{
+	for (int i = 0; i < def->npkey; i++)
+	{
+		const ExpectedColumn *column = &def->columns[pkey_columns[i] - 1];
+		Oid			opclass = GetDefaultOpClass(column->type, BTREE_AM_OID);
+
+		if (index->rd_index->indkey.values[i] != pkey_columns[i] ||
+			index->rd_indcollation[i] != expected_collation(column) ||
+			!OidIsValid(opclass) ||
+			index->rd_opfamily[i] != get_opclass_family(opclass))
+			return false;
+	}
+	return true;
+}
+
 /*
  * Its primary key, pkindex: a btree on exactly the expected columns, in that
  * order, with the default operator classes and the columns' collations,
  * nothing included, checked immediately.  The probes build their scan keys
  * from that, and a speculative insertion relies on it being the one arbiter.
  * (The index's own relcache entry, open here, is reloaded in place by an
- * invalidation, so its fields stay where they are.)
+ * invalidation, so its fields stay where they are.)  The outbox's, never
+ * probed, may also have the column order of an earlier version
+ * (pkey_columns_before).
  */
 static void
 check_primary_key(Oid pkindex, const ExpectedTable *def, const char *qualified)
@@ -205,16 +225,10 @@ check_primary_key(Oid pkindex, const ExpectedTable *def, const char *qualified)
 		index->rd_index->indimmediate &&
 		RelationGetIndexExpressions(index) == NIL &&
 		RelationGetIndexPredicate(index) == NIL;
-	for (int i = 0; ok && i < def->npkey; i++)
-	{
-		const ExpectedColumn *column = &def->columns[def->pkey_columns[i] - 1];
-		Oid			opclass = GetDefaultOpClass(column->type, BTREE_AM_OID);
-
-		ok = index->rd_index->indkey.values[i] == def->pkey_columns[i] &&
-			index->rd_indcollation[i] == expected_collation(column) &&
-			OidIsValid(opclass) &&
-			index->rd_opfamily[i] == get_opclass_family(opclass);
-	}
+	if (ok)
+		ok = primary_key_is(index, def, def->pkey_columns) ||
+			(def->pkey_columns_before != NULL &&
+			 primary_key_is(index, def, def->pkey_columns_before));
 	if (!ok)
 	{
 		restore = psprintf("ALTER TABLE %s DROP CONSTRAINT %s, ADD PRIMARY KEY (%s)",

@@ -42,6 +42,10 @@ typedef struct ExpectedTable
 	AttrNumber	expires_column; /* rows past this instant are purged */
 	int			noptional;		/* the last columns, which a database at an
 								 * earlier version lacks */
+	const AttrNumber *pkey_columns_before;	/* or NULL: the same columns in
+											 * the order of a database at an
+											 * earlier version, also accepted
+											 * (a table never probed) */
 } ExpectedTable;
 
 extern void idem_check_table(Relation heap, const ExpectedTable *def);
