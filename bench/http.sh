@@ -43,7 +43,7 @@ if [ "${1:-}" = --inside ]; then
 	trap 'for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done' EXIT
 
 	free_port() {
-		local port=$((20000 + RANDOM % 20000))
+		local port=${BENCH_PORT:-$((20000 + RANDOM % 20000))}
 		while (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do port=$((port + 1)); done
 		echo "$port"
 	}
