@@ -208,6 +208,7 @@ async def _ready(loop: asyncio.AbstractEventLoop, fd: int, add: Any, remove: Any
 
 _BEGIN_CLAIM = _Statements("BEGIN; " + CLAIM)
 _COMPLETE_COMMIT = _Statements(COMPLETE_OR_ABORT + "; COMMIT")
+_ROLLBACK = _Statements("ROLLBACK")
 
 
 def _claim_row(row: Optional[list[Optional[str]]]) -> Claim:
@@ -225,8 +226,10 @@ def _int(text: Optional[str]) -> Optional[int]:
 async def _rollback(conn: AsyncConnection[Any]) -> None:
     """ROLLBACK; a connection that cannot is broken, and the pool discards it
     (one left in a transaction, the pool rolls back itself)."""
+    if conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+        return  # a COMMIT that failed ended it
     with contextlib.suppress(psycopg.Error):
-        await conn.rollback()
+        await _ROLLBACK.send(conn, ())
 
 
 class IdempotencyMiddleware:
