@@ -4,9 +4,9 @@
 # from make bench. For each framework of FRAMEWORKS (default "express
 # fastapi"), examples/<framework>/serve runs twice on a throwaway cluster:
 # with its Idempotency-Key middleware, and with IDEM_MIDDLEWARE=off (the same
-# handler and row, in a transaction of its own: BEGIN, the insert, COMMIT;
-# BENCH_BASELINE=autocommit makes FastAPI's the insert alone, one round
-# trip, as in bench/README.md's first FastAPI figures). wrk drives POST /orders
+# handler and row, in a transaction of its own: Express's BEGIN, the insert
+# and COMMIT, FastAPI's insert alone in autocommit, one round trip, or with
+# BENCH_BASELINE=transaction, BEGIN, the insert, COMMIT). wrk drives POST /orders
 # with 8 connections (BENCH_CONNECTIONS), BENCH_SECONDS (10) a run,
 # BENCH_ROUNDS (3) rounds, which side goes first alternating (the apps on
 # free ports from BENCH_PORT, else from a random one), for:

@@ -4,10 +4,11 @@ Run it with ./serve PORT; the database is libpq's environment variables
 (PGHOST, PGPORT, PGUSER, PGDATABASE). A key is required; the handler's
 insert and the key's answer commit in one transaction.
 
-  IDEM_MIDDLEWARE=off   the same handler without the middleware, in a
-                        transaction of its own (BEGIN, the insert, COMMIT:
-                        as the Express example's), for bench/http.sh;
-                        with IDEM_BASELINE=autocommit, the insert alone
+  IDEM_MIDDLEWARE=off   the same handler without the middleware, for
+                        bench/http.sh: its insert alone, in autocommit (one
+                        round trip); with IDEM_BASELINE=transaction, in a
+                        transaction of its own (BEGIN, the insert, COMMIT),
+                        as the Express example's
   IDEM_TEST_HOOKS=1     obey X-Delay-Ms, X-Fail-Status and X-Crash (tests only)
   POOL_SIZE             database connections (10)
 
@@ -35,7 +36,7 @@ from pg_idempotency.asgi import IdempotencyMiddleware, idempotency_connection
 
 MIDDLEWARE = os.environ.get("IDEM_MIDDLEWARE", "on") != "off"
 HOOKS = os.environ.get("IDEM_TEST_HOOKS") == "1"
-AUTOCOMMIT = os.environ.get("IDEM_BASELINE") == "autocommit"
+OWN_TRANSACTION = os.environ.get("IDEM_BASELINE") == "transaction"
 SCHEMA = """CREATE TABLE IF NOT EXISTS orders (
     id bigserial PRIMARY KEY, sku text NOT NULL, qty integer NOT NULL)"""
 
@@ -65,9 +66,9 @@ async def own_connection() -> AsyncIterator[psycopg.AsyncConnection[Any]]:
 
 
 def own_transaction(conn: psycopg.AsyncConnection[Any]) -> Any:
-    """Without the middleware, the handler's writes in a transaction of its
-    own, committed before it answers (IDEM_BASELINE=autocommit: none)."""
-    return conn.transaction() if not MIDDLEWARE and not AUTOCOMMIT else contextlib.nullcontext()
+    """IDEM_BASELINE=transaction without the middleware: the handler's
+    writes in a transaction of its own, committed before it answers."""
+    return conn.transaction() if not MIDDLEWARE and OWN_TRANSACTION else contextlib.nullcontext()
 
 
 app = FastAPI()
