@@ -4,9 +4,12 @@
 # from make bench. For each framework of FRAMEWORKS (default "express
 # fastapi"), examples/<framework>/serve runs twice on a throwaway cluster:
 # with its Idempotency-Key middleware, and with IDEM_MIDDLEWARE=off (the same
-# handler and row, in a transaction of its own). wrk drives POST /orders
+# handler and row, in a transaction of its own: Express's BEGIN, the insert
+# and COMMIT, FastAPI's insert alone in autocommit, one round trip, or with
+# BENCH_BASELINE=transaction, BEGIN, the insert, COMMIT). wrk drives POST /orders
 # with 8 connections (BENCH_CONNECTIONS), BENCH_SECONDS (10) a run,
-# BENCH_ROUNDS (3) rounds, which side goes first alternating, for:
+# BENCH_ROUNDS (3) rounds, which side goes first alternating (the apps on
+# free ports from BENCH_PORT, else from a random one), for:
 #
 #   new keys   every request a new key: the middleware's claim and
 #              completion against the handler alone (bar: 0.7x)
@@ -43,7 +46,8 @@ if [ "${1:-}" = --inside ]; then
 	trap 'for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done' EXIT
 
 	free_port() {
-		local port=$((20000 + RANDOM % 20000))
+		local port=${BENCH_PORT:-}
+		[ -n "$port" ] || port=$((20000 + RANDOM % 20000))
 		while (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do port=$((port + 1)); done
 		echo "$port"
 	}
@@ -86,7 +90,7 @@ if [ "${1:-}" = --inside ]; then
 			continue
 		fi
 		serve "$fw" with
-		serve "$fw" without IDEM_MIDDLEWARE=off
+		serve "$fw" without IDEM_MIDDLEWARE=off IDEM_BASELINE="${BENCH_BASELINE:-}"
 		load "$port_with" >/dev/null # warm up both
 		load "$port_without" >/dev/null
 		for kind in new replay; do
@@ -107,6 +111,7 @@ if [ "${1:-}" = --inside ]; then
 			done
 			bar=0.70 label='new keys'
 			[ $kind = replay ] && bar=1.00 label='replays'
+			[ -n "${BENCH_BASELINE:-}" ] && label+=" (baseline $BENCH_BASELINE)"
 			printf 'http %s %s: %s / %s req/s, ratio %s (bar %s; rounds%s), added latency p50 %+.2f ms, p99 %+.2f ms\n' \
 				"$fw" "$label" "$(median <<<"$with_rps")" "$(median <<<"$without_rps")" \
 				"$(median <<<"$ratios")" "$bar" "$ratios" \
@@ -143,5 +148,6 @@ cp -R bench clients examples scripts test "$copy/"
 rm -rf "$copy"/examples/*/node_modules "$copy"/clients/*/node_modules
 [ "$(id -u)" -eq 0 ] && chown -R "$RUN_AS" "$copy"
 as_runner env -C "$copy" FRAMEWORKS="$FRAMEWORKS" BENCH_SECONDS="$SECONDS_A_RUN" \
-	BENCH_ROUNDS="$ROUNDS" BENCH_CONNECTIONS="$CONNECTIONS" \
+	BENCH_ROUNDS="$ROUNDS" BENCH_CONNECTIONS="$CONNECTIONS" BENCH_BASELINE="${BENCH_BASELINE:-}" \
+	BENCH_PORT="${BENCH_PORT:-}" \
 	scripts/with-server.sh bench/http.sh --inside

@@ -4,8 +4,11 @@ Run it with ./serve PORT; the database is libpq's environment variables
 (PGHOST, PGPORT, PGUSER, PGDATABASE). A key is required; the handler's
 insert and the key's answer commit in one transaction.
 
-  IDEM_MIDDLEWARE=off   the same handler without the middleware (its own
-                        transaction), for bench/http.sh
+  IDEM_MIDDLEWARE=off   the same handler without the middleware, for
+                        bench/http.sh: its insert alone, in autocommit (one
+                        round trip); with IDEM_BASELINE=transaction, in a
+                        transaction of its own (BEGIN, the insert, COMMIT),
+                        as the Express example's
   IDEM_TEST_HOOKS=1     obey X-Delay-Ms, X-Fail-Status and X-Crash (tests only)
   POOL_SIZE             database connections (10)
 
@@ -14,6 +17,7 @@ AuthenticationMiddleware makes NAME the request's user, which the default
 scope of the keys includes.
 """
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -32,6 +36,7 @@ from pg_idempotency.asgi import IdempotencyMiddleware, idempotency_connection
 
 MIDDLEWARE = os.environ.get("IDEM_MIDDLEWARE", "on") != "off"
 HOOKS = os.environ.get("IDEM_TEST_HOOKS") == "1"
+OWN_TRANSACTION = os.environ.get("IDEM_BASELINE") == "transaction"
 SCHEMA = """CREATE TABLE IF NOT EXISTS orders (
     id bigserial PRIMARY KEY, sku text NOT NULL, qty integer NOT NULL)"""
 
@@ -55,9 +60,15 @@ class Order(BaseModel):
 
 
 async def own_connection() -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-    """Without the middleware: a connection in autocommit (the insert commits alone)."""
+    """Without the middleware: a connection of the pool, in autocommit."""
     async with pool.connection() as conn:
         yield conn
+
+
+def own_transaction(conn: psycopg.AsyncConnection[Any]) -> Any:
+    """IDEM_BASELINE=transaction without the middleware: the handler's
+    writes in a transaction of its own, committed before it answers."""
+    return conn.transaction() if not MIDDLEWARE and OWN_TRANSACTION else contextlib.nullcontext()
 
 
 app = FastAPI()
@@ -75,14 +86,16 @@ async def create_order(order: Order, request: Request,
     if HOOKS and "x-fail-status" in request.headers:
         status = int(request.headers["x-fail-status"])
         return JSONResponse({"error": "failing as asked"}, status_code=status)
-    cursor = await conn.execute("INSERT INTO orders (sku, qty) VALUES (%s, %s) RETURNING id",
-                                (order.sku, order.qty))
-    (order_id,) = await cursor.fetchone()
-    if HOOKS and "x-delay-ms" in request.headers:
-        # in the database, so that a test sees the request at work there
-        await conn.execute("SELECT pg_sleep(%s)", (int(request.headers["x-delay-ms"]) / 1000,))
-    if HOOKS and request.headers.get("x-crash") == "1":
-        os.kill(os.getpid(), signal.SIGKILL)
+    async with own_transaction(conn):
+        cursor = await conn.execute(
+            "INSERT INTO orders (sku, qty) VALUES (%s, %s) RETURNING id", (order.sku, order.qty))
+        (order_id,) = await cursor.fetchone()
+        if HOOKS and "x-delay-ms" in request.headers:
+            # in the database, so that a test sees the request at work there
+            await conn.execute("SELECT pg_sleep(%s)",
+                               (int(request.headers["x-delay-ms"]) / 1000,))
+        if HOOKS and request.headers.get("x-crash") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
     return JSONResponse({"id": order_id, "sku": order.sku, "qty": order.qty}, status_code=201,
                         headers={"Location": f"/orders/{order_id}"})
 

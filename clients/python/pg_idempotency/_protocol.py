@@ -23,6 +23,7 @@ R = TypeVar("R")  # the framework's request
 
 MAX_BYTES = 255
 DEFAULT_METHODS = ("POST", "PATCH")
+DEFAULT_LIMIT = 1024 * 1024  # bytes of a request body, as the Node package's limit
 DEFAULT_STORE_HEADERS = ("content-type", "content-location", "location", "etag",
                          "last-modified", "cache-control", "vary")
 ONE_TRANSACTION, TWO_TRANSACTION = "one_transaction", "two_transaction"
@@ -41,6 +42,17 @@ CLAIM = """SELECT outcome, status_code, body, headers::text, attempt, recovery_p
        ceil(extract(epoch FROM lease_expires_at - clock_timestamp()))::int
 FROM idempotency.idem_claim(%s, %s, %s, ttl => %s, lease => %s, wait => %s)"""
 COMPLETE = "SELECT idempotency.idem_complete(%s, %s, %s, %s, %s::jsonb, %s)"
+# One-transaction mode (ASGI), an answer the default policy stores: COMMIT
+# follows in the same query string, and must not run if the server's
+# policy (idempotency.release_statuses, which only idem_complete reads)
+# releases it after all; then the division by zero (SQLSTATE RELEASED)
+# aborts the transaction before COMMIT. The server logs that ERROR, so the
+# answers the default policy releases take the path without the guard
+# (idem_complete, then COMMIT or ROLLBACK): see likely_stored. The same as
+# the Node package's.
+COMPLETE_OR_ABORT = ("SELECT 1 / (idempotency.idem_complete(%s, %s, %s, %s, %s::jsonb, %s)"
+                     " = 'stored')::int")
+RELEASED = "22012"
 RELEASE = "SELECT idempotency.idem_release(%s, %s, %s)"
 CHECKPOINT = "SELECT idempotency.idem_checkpoint(%s, %s, %s, %s)"
 EXTEND_LEASE = "SELECT idempotency.idem_extend_lease(%s, %s, %s, %s)"
@@ -77,6 +89,7 @@ class Options(Generic[R]):
     ttl: Optional[Seconds] = None
     mode: Union[str, Callable[[R], str]] = ONE_TRANSACTION
     store_headers: Collection[str] = DEFAULT_STORE_HEADERS
+    limit: int = DEFAULT_LIMIT  # ASGI: the largest request body read (413 above)
 
     def __post_init__(self) -> None:
         self.methods = frozenset(m.upper() for m in self.methods)
@@ -85,6 +98,8 @@ class Options(Generic[R]):
                                            _interval(self.ttl))
         if isinstance(self.mode, str):
             check_mode(self.mode)
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 0:
+            raise ValueError(f"limit must be a number of bytes, not {self.limit!r}")
 
     def is_required(self, request: R) -> bool:
         return self.required(request) if callable(self.required) else bool(self.required)
@@ -143,6 +158,17 @@ def parse_key(raw: Optional[bytes]) -> Union[str, Answer, None]:
 
 def missing_key() -> Answer:
     return problem(400, "this request requires an Idempotency-Key header")
+
+
+def body_too_large(limit: int) -> Answer:
+    return problem(413, f"the request body is larger than {limit} bytes")
+
+
+def likely_stored(status: int) -> bool:
+    """Whether the extension's default idempotency.release_statuses (408,
+    425, 429, 500-599) stores an answer: only a guess, to pick the path with
+    the fewest round trips; idem_complete decides, under the server's policy."""
+    return status < 500 and status not in (408, 425, 429)
 
 
 def default_scope(principal: Optional[str], method: str, path: str) -> str:

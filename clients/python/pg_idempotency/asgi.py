@@ -17,15 +17,19 @@ import inspect
 import logging
 from typing import Any, Awaitable, Callable, MutableMapping, Optional
 
+from datetime import timedelta
+
 import psycopg
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, pq
+from starlette.datastructures import URL
 from starlette.requests import Request
 
 from ._protocol import (
-    CHECKPOINT, CLAIM, COMPLETE, EXTEND_LEASE, ONE_TRANSACTION, RELEASE, Answer, Claim,
-    Context, IdempotencyKeyLost, Options, bounded_scope, check_mode, claim_times, complete_params,
-    default_fingerprint, default_scope, is_lost_key, is_too_large, lost_key, missing_key,
-    not_claimed, parse_key, too_large,
+    CHECKPOINT, CLAIM, COMPLETE, COMPLETE_OR_ABORT, EXTEND_LEASE, ONE_TRANSACTION, RELEASE,
+    RELEASED, Answer, Claim, Context, IdempotencyKeyLost, Options, body_too_large, bounded_scope,
+    check_mode, claim_times, complete_params, default_fingerprint, default_scope, is_lost_key,
+    is_too_large, likely_stored, lost_key, missing_key, not_claimed, parse_key, sqlstate,
+    too_large,
 )
 
 __all__ = ["IdempotencyMiddleware", "idempotency_connection", "IdempotencyKeyLost"]
@@ -39,8 +43,12 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 log = logging.getLogger("pg_idempotency")
 
 
-def idempotency_connection(request: Request) -> AsyncConnection[Any]:
-    """FastAPI dependency: the connection inside the claim's transaction."""
+async def idempotency_connection(request: Request) -> AsyncConnection[Any]:
+    """FastAPI dependency: the connection inside the claim's transaction.
+
+    async, so that FastAPI calls it on the event loop rather than in its
+    thread pool (a thread hop per request, a third of the middleware's cost).
+    """
     context: Optional[Context] = getattr(request.state, "idempotency", None)
     conn: Optional[AsyncConnection[Any]] = None if context is None else context.conn
     if conn is None:
@@ -108,45 +116,178 @@ async def _fetch(conn: AsyncConnection[Any], sql: str, params: tuple[Any, ...]) 
     return await cursor.fetchone()
 
 
+class _Statements:
+    """Statements with %s arguments sent as one query string: bound here as
+    literals, sent by the simple protocol, read back from libpq directly.
+
+    The one-transaction mode's two round trips of its own (BEGIN with the
+    claim, the completion with COMMIT) go this way, as in the Node package:
+    the simple protocol runs several statements in one string and prepares
+    nothing, which is safe through pgbouncer's transaction pooling; and
+    with libpq's calls only (psycopg.pq, its public wrapper), a round trip
+    costs a third of the Python that a psycopg cursor's costs. Each
+    argument is escaped by PQescapeLiteral, for the connection's encoding
+    and settings as they are at that moment.
+    """
+
+    def __init__(self, sql: str) -> None:
+        self.parts = [part.encode("ascii") for part in sql.split("%s")]
+
+    async def send(self, conn: AsyncConnection[Any], params: tuple[Any, ...],
+                   row_of: int = 0) -> Optional[list[Optional[str]]]:
+        """The row of statement ``row_of`` (as text), or None without one.
+
+        The first statement that fails raises its error (psycopg's class
+        for its SQLSTATE), and the server skips those after it.
+        """
+        pgconn = conn.pgconn
+        encoding = conn.info.encoding
+        escaping = pq.Escaping(pgconn)
+        query = [self.parts[0]]
+        for value, part in zip(params, self.parts[1:]):
+            query.append(_literal(escaping, encoding, value))
+            query.append(part)
+        async with conn.lock:  # as psycopg's own calls: one at a time
+            results = await _exchange(pgconn, b"".join(query))
+        for result in results:
+            if result.status == pq.ExecStatus.FATAL_ERROR:
+                raise psycopg.errors.error_from_result(result, encoding=encoding)
+        result = results[row_of]
+        if result.ntuples == 0:
+            return None
+        return [None if value is None else value.decode(encoding)
+                for value in (result.get_value(0, column) for column in range(result.nfields))]
+
+
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def _literal(escaping: pq.Escaping, encoding: str, value: Any) -> bytes:
+    if value is None:
+        return b"NULL"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return b"%d" % value
+    if isinstance(value, timedelta):
+        return b"'%d microseconds'::interval" % (value // _MICROSECOND)
+    data = str(value).encode(encoding)
+    if b"\x00" in data:  # PQescapeLiteral would cut the string there
+        raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
+    return bytes(escaping.escape_literal(data))
+
+
+async def _exchange(pgconn: pq.abc.PGconn, query: bytes) -> list[pq.abc.PGresult]:
+    """Send one query string, wait on the event loop for all its results.
+
+    Cancelled in the middle, the connection is left busy: the pool closes
+    such a connection rather than reuse it, as it does after psycopg's own.
+    """
+    pgconn.send_query(query)
+    loop = asyncio.get_running_loop()
+    fd = pgconn.socket
+    while pgconn.flush():  # what did not fit in the socket's buffer
+        await _ready(loop, fd, loop.add_writer, loop.remove_writer)
+    results = []
+    while True:
+        pgconn.consume_input()
+        while not pgconn.is_busy():
+            result = pgconn.get_result()
+            if result is None:
+                return results
+            results.append(result)
+        await _ready(loop, fd, loop.add_reader, loop.remove_reader)
+
+
+async def _ready(loop: asyncio.AbstractEventLoop, fd: int, add: Any, remove: Any) -> None:
+    ready = loop.create_future()
+    add(fd, ready.set_result, None)
+    try:
+        await ready
+    finally:
+        remove(fd)
+
+
+_BEGIN_CLAIM = _Statements("BEGIN; " + CLAIM)
+_COMPLETE_COMMIT = _Statements(COMPLETE_OR_ABORT + "; COMMIT")
+_ROLLBACK = _Statements("ROLLBACK")
+
+
+def _claim_row(row: Optional[list[Optional[str]]]) -> Claim:
+    """idem_claim's row as text, typed as psycopg reads it."""
+    assert row is not None
+    outcome, status, body, headers, attempt, recovery_point, lease_left = row
+    return Claim(str(outcome), _int(status), body, headers, _int(attempt), recovery_point,
+                 _int(lease_left))
+
+
+def _int(text: Optional[str]) -> Optional[int]:
+    return None if text is None else int(text)
+
+
+async def _rollback(conn: AsyncConnection[Any]) -> None:
+    """ROLLBACK; a connection that cannot is broken, and the pool discards it
+    (one left in a transaction, the pool rolls back itself)."""
+    if conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+        return  # a COMMIT that failed ended it
+    with contextlib.suppress(psycopg.Error):
+        await _ROLLBACK.send(conn, ())
+
+
 class IdempotencyMiddleware:
     """Answers retried requests from the database (doc/http.md).
 
     ``pool`` is a psycopg_pool.AsyncConnectionPool; the options are those
     of doc/http.md: methods, required, scope, fingerprint, wait, lease, ttl,
-    mode ("one_transaction" or "two_transaction") and store_headers.
-    ``required``, ``mode``, ``scope`` and ``fingerprint`` take a Starlette
-    Request and may be async; the last three are called once the body is
-    read (``await request.body()``), ``required`` (asked only when the key
-    is missing) before.
+    mode ("one_transaction" or "two_transaction"), store_headers, and
+    limit (the largest request body read, 413 above). ``required``,
+    ``mode``, ``scope`` and ``fingerprint`` take a Starlette Request and
+    may be async; the last three are called once the body is read
+    (``await request.body()``), ``required`` (asked only when the key is
+    missing) before.
     """
 
     def __init__(self, app: ASGIApp, *, pool: Any, **options: Any) -> None:
         self.app, self.pool = app, pool
         self.options: Options[Request] = Options(**options)
+        # whether a function of the request must see a Starlette Request
+        self.asks_request = (self.options.scope is not None or
+                             self.options.fingerprint is not None or callable(self.options.mode))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in self.options.methods:
             return await self.app(scope, receive, send)
-        raw = next((v for n, v in scope["headers"] if n == b"idempotency-key"), None)
+        raw = declared = None
+        for name, value in scope["headers"]:
+            if name == b"idempotency-key":
+                raw = value if raw is None else raw
+            elif name == b"content-length":
+                declared = value
         key = parse_key(raw)
-        request = Request(scope)
         if key is None:
-            if await _maybe_await(self.options.is_required(request)):
+            if await _maybe_await(self.options.is_required(Request(scope))):
                 return await _send_answer(send, missing_key())
             return await self.app(scope, receive, send)
         if isinstance(key, Answer):
             return await _send_answer(send, key)
 
-        body = await _read_body(receive)
+        limit = self.options.limit
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await _send_answer(send, body_too_large(limit))  # not read at all
+        body = await _read_body(receive, limit)
         if body is None:  # the client left before its body arrived: nothing to answer
             return
-        request = Request(scope, _replaying(body, receive))
-        await request.body()  # read once, cached for the options' functions
+        if body is _TOO_LARGE:
+            return await _send_answer(send, body_too_large(limit))
+        assert isinstance(body, bytes)
+        request: Optional[Request] = None
+        if self.asks_request:
+            request = Request(scope, _replaying(body, receive))
+            await request.body()  # read once, cached for the options' functions
         receive = _replaying(body, receive)  # the handler's
-        key_scope = bounded_scope(await self._scope(request))
-        fingerprint = await self._fingerprint(request, body)
-        mode = check_mode(await _maybe_await(
-            self.options.mode(request) if callable(self.options.mode) else self.options.mode))
+        key_scope = bounded_scope(await self._scope(scope, request))
+        fingerprint = await self._fingerprint(scope, request, body)
+        mode = self.options.mode
+        if callable(mode):
+            mode = check_mode(await _maybe_await(mode(request)))
         params = (key_scope, key, fingerprint, self.options, mode)
         if mode == ONE_TRANSACTION:
             answer = await self._one_transaction(scope, receive, send, *params)
@@ -155,41 +296,47 @@ class IdempotencyMiddleware:
         if answer is not None:
             await _send_answer(send, answer)
 
-    async def _scope(self, request: Request) -> str:
+    async def _scope(self, scope: Scope, request: Optional[Request]) -> str:
         if self.options.scope is not None:
             return str(await _maybe_await(self.options.scope(request)))
-        return default_scope(principal(request.scope), request.method, request.url.path)
+        # the path as Starlette's request.url.path reads it
+        return default_scope(principal(scope), scope["method"], URL(scope=scope).path)
 
-    async def _fingerprint(self, request: Request, body: bytes) -> Optional[str]:
+    async def _fingerprint(self, scope: Scope, request: Optional[Request],
+                           body: bytes) -> Optional[str]:
         if self.options.fingerprint is not None:
             fingerprint = await _maybe_await(self.options.fingerprint(request))
             return None if fingerprint is None else str(fingerprint)
-        path = request.scope.get("root_path", "") + request.scope["path"]
-        query = request.scope.get("query_string", b"").decode("latin-1")
-        return default_fingerprint(request.method, f"{path}?{query}" if query else path, body)
+        path = scope.get("root_path", "") + scope["path"]
+        query = scope.get("query_string", b"").decode("latin-1")
+        return default_fingerprint(scope["method"], f"{path}?{query}" if query else path, body)
 
     async def _one_transaction(self, scope: Scope, receive: Receive, send: Send, key_scope: str,
                                key: str, fingerprint: Optional[str], options: Options[Request],
                                mode: str) -> Optional[Answer]:
         """Claim, run the handler, store and commit, then send its response.
 
-        The response is sent as soon as the handler has given all of it and
-        the transaction has committed, not when the handler returns:
-        Starlette's background tasks run after that, outside the transaction.
-        Returns the answer to send when the handler did not run.
+        Two round trips of the middleware's own, as in the Node package:
+        BEGIN with the claim, and the completion with COMMIT. A key not
+        claimed is answered before the ROLLBACK of its transaction (which
+        wrote nothing). The response is sent as soon as the handler has
+        given all of it and the transaction has committed, not when the
+        handler returns: Starlette's background tasks run after that,
+        outside the transaction. Returns the answer to send when the
+        handler did not run.
         """
         async with self.pool.connection() as conn:
-            transaction = contextlib.AsyncExitStack()
             try:
-                await transaction.enter_async_context(conn.transaction())
-                claim = Claim(*await _fetch(conn, CLAIM, (key_scope, key, fingerprint) +
-                                            claim_times(options, mode)))
-            except BaseException as error:
-                await transaction.__aexit__(type(error), error, error.__traceback__)
+                claim = _claim_row(await _BEGIN_CLAIM.send(
+                    conn, (key_scope, key, fingerprint) + claim_times(options, mode), row_of=1))
+                answer = None if claim.outcome == "claimed" else not_claimed(claim)
+            except BaseException:
+                await _rollback(conn)
                 raise
-            if claim.outcome != "claimed":
-                await transaction.aclose()
-                return not_claimed(claim)
+            if answer is not None:
+                await _send_answer(send, answer)
+                await _rollback(conn)
+                return None
             scope.setdefault("state", {})["idempotency"] = Context(
                 key, key_scope, mode, claim.attempt, claim.recovery_point, conn=conn)
             response, ended = _Buffered(), False
@@ -201,22 +348,17 @@ class IdempotencyMiddleware:
                     return
                 ended = True
                 if error is not None:  # claim and writes rolled back
-                    await transaction.__aexit__(type(error), error, error.__traceback__)
+                    await _rollback(conn)
                     return
                 try:
-                    outcome = await self._complete(conn, key_scope, key, response, None)
+                    await self._complete_and_commit(conn, key_scope, key, response)
                 except BaseException as failed:
+                    await _rollback(conn)
                     if not is_too_large(failed):
-                        await transaction.__aexit__(type(failed), failed, failed.__traceback__)
-                        raise
+                        raise  # a failed COMMIT reaches the client as a 500
                     # the handler's writes and the claim go: nothing was done
-                    await transaction.__aexit__(psycopg.Rollback, psycopg.Rollback(), None)
                     await _send_answer(send, too_large(key_scope, key, failed, released=False))
                     return
-                if outcome == "released":  # a transient status: undo the writes too
-                    await transaction.__aexit__(psycopg.Rollback, psycopg.Rollback(), None)
-                else:
-                    await transaction.aclose()  # COMMIT: a failure reaches the client as a 500
                 await _send_buffered(send, response)
 
             async def send_at_end(message: Message) -> None:
@@ -235,14 +377,36 @@ class IdempotencyMiddleware:
                 raise
         return None
 
+    async def _complete_and_commit(self, conn: AsyncConnection[Any], key_scope: str, key: str,
+                                   response: _Buffered) -> None:
+        """idem_complete, then COMMIT if it stored the answer, else ROLLBACK
+        (the handler's writes go with a released key).
+
+        An answer the extension's default policy stores: the completion and
+        COMMIT in one round trip, behind the guard of COMPLETE_OR_ABORT,
+        should the server's policy release it after all. Any other: two.
+        """
+        params = complete_params(key_scope, key, response.status, response.header_pairs(),
+                                 response.body, self.options, None)
+        if likely_stored(response.status):
+            try:
+                await _COMPLETE_COMMIT.send(conn, params)
+            except psycopg.Error as error:
+                if sqlstate(error) != RELEASED:
+                    raise
+                await _rollback(conn)  # released by the server's policy
+            return
+        if (await _fetch(conn, COMPLETE, params))[0] == "stored":
+            await conn.commit()  # a failure reaches the client as a 500
+        else:
+            await _rollback(conn)
+
     async def _complete(self, conn: AsyncConnection[Any], key_scope: str, key: str,
-                        response: _Buffered, attempt: Optional[int]) -> str:
-        """idem_complete; a body too large raises in the one-transaction mode
-        (attempt None), and releases the key in the two-transaction mode."""
+                        response: _Buffered, attempt: int) -> str:
+        """idem_complete in the two-transaction mode, fenced by the attempt; a
+        body too large releases the key."""
         params = complete_params(key_scope, key, response.status, response.header_pairs(),
                                  response.body, self.options, attempt)
-        if attempt is None:
-            return str((await _fetch(conn, COMPLETE, params))[0])
         try:
             async with conn.transaction():  # a savepoint: the release follows
                 return str((await _fetch(conn, COMPLETE, params))[0])
@@ -254,8 +418,10 @@ class IdempotencyMiddleware:
             return "too large"
 
     async def _run(self, sql: str, params: tuple[Any, ...]) -> Any:
-        """One statement in a transaction of its own."""
+        """One statement in a transaction of its own (autocommit's, or BEGIN and COMMIT)."""
         async with self.pool.connection() as conn:
+            if conn.autocommit:
+                return await _fetch(conn, sql, params)
             async with conn.transaction():
                 return await _fetch(conn, sql, params)
 
@@ -363,21 +529,35 @@ def _unfinished() -> RuntimeError:
     return RuntimeError("the application returned without completing its response")
 
 
-async def _read_body(receive: Receive) -> Optional[bytes]:
-    """The whole request body, or None if the client disconnected first.
+_TOO_LARGE = object()  # _read_body: the body is over the limit
+
+
+async def _read_body(receive: Receive, limit: int) -> Any:
+    """The whole request body; None if the client disconnected first, or
+    _TOO_LARGE as soon as it is over ``limit`` bytes.
 
     A partial body must not be claimed nor reach the handler: its
     fingerprint is not the request's, and the handler's answer to it (a
     400, stored) would be replayed to the client's retry.
     """
-    chunks = []
+    message = await receive()
+    if message["type"] != "http.request":
+        return None  # http.disconnect
+    body = message.get("body", b"")
+    if not message.get("more_body", False):  # the usual case: one message
+        return body if len(body) <= limit else _TOO_LARGE
+    chunks, length = [body], len(body)
     while True:
+        if length > limit:
+            return _TOO_LARGE
         message = await receive()
         if message["type"] != "http.request":
-            return None  # http.disconnect
-        chunks.append(message.get("body", b""))
+            return None
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        length += len(chunk)
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            return b"".join(chunks) if length <= limit else _TOO_LARGE
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

@@ -11,6 +11,9 @@
   POST /slow-boom  two transactions: checkpoints "started", then raises
   POST /sql-error  a statement that fails in the claim's transaction
   POST /echo     (Starlette) the body back; 400 if it is not JSON
+  POST /policy   (Starlette) inserts a row, sets idempotency.release_statuses
+                 to the body's "policy" for its transaction, answers the
+                 body's "status"
   POST /file     (Flask) send_file of BINARY: a direct-passthrough response
   POST /vary     (Starlette, Flask) a response with two Vary headers
   POST /background  (Starlette) /orders with a background task (BACKGROUND_*)
@@ -125,6 +128,14 @@ def starlette_app(pool, **options):
             await send({"type": "http.response.body", "body": b"the beginning",
                         "more_body": True})
 
+    async def policy(request):
+        body = await request.json()
+        conn = request.state.idempotency.conn
+        await conn.execute(INSERT, (body["sku"], body["qty"]))
+        await conn.execute("SELECT set_config('idempotency.release_statuses', %s, true)",
+                           (body["policy"],))
+        return JSONResponse({"sku": body["sku"]}, status_code=body["status"])
+
     async def vary(request):
         response = Response(b"two Vary headers", media_type="text/plain; charset=utf-8")
         response.raw_headers += [(b"vary", b"Accept"), (b"vary", b"Authorization")]
@@ -148,7 +159,7 @@ def starlette_app(pool, **options):
                 (("/orders", orders), ("/binary", binary), ("/boom", boom), ("/slow", slow),
                  ("/too-large", too_large),
                  ("/slow-boom", slow_boom), ("/sql-error", sql_error), ("/echo", echo),
-                 ("/vary", vary), ("/background", background))] +
+                 ("/vary", vary), ("/background", background), ("/policy", policy))] +
                [Route(path, Unfinished()) for path in ("/unfinished", "/slow-unfinished")],
         middleware=[Middleware(AuthenticationMiddleware, backend=Bearer()),
                     Middleware(IdempotencyMiddleware, pool=pool, **options)],

@@ -2,6 +2,8 @@
 import base64
 import concurrent.futures
 import hashlib
+import http.client
+import json
 import socket
 import threading
 import uuid
@@ -155,6 +157,54 @@ def test_two_transactions_a_lost_key_answers_409(server, db):
         reply = slow.result()
     assert reply.status == 409 and reply.headers["content-type"] == "application/problem+json"
     assert stored(db, key)[0][1] == 2  # the new attempt's, untouched
+
+
+@pytest.mark.parametrize("status, policy, kept", [
+    (409, "409", False),     # the default stores a 409: the guard before COMMIT
+    (201, "201,409", False),
+    (503, "", True),         # the default releases a 503: complete, then COMMIT
+    (409, "", True),
+])
+def test_asgi_the_servers_release_policy_decides(status, policy, kept, db):
+    # the completion and COMMIT go in one query string when the default
+    # policy stores the status: without the guard, a status the server's
+    # policy releases would commit the handler's row with the key free
+    pool = AsyncConnectionPool("", open=False, min_size=1, kwargs=POOL_KWARGS)
+    body, key = {**order(), "status": status, "policy": policy}, str(uuid.uuid4())
+    with serve_asgi(starlette_app(pool)) as port:
+        first = post(port, "/policy", body, key)
+        assert first.status == status and first.json() == {"sku": body["sku"]}
+        again = post(port, "/policy", body, key)
+        assert again.status == status and again.replayed == kept
+    assert rows(db, body["sku"]) == (1 if kept else 0) and bool(stored(db, key)) == kept
+
+
+def test_asgi_a_request_body_over_the_limit_answers_413(db):
+    pool = AsyncConnectionPool("", open=False, min_size=1, kwargs=POOL_KWARGS)
+    with serve_asgi(starlette_app(pool, limit=100)) as port:
+        # at the limit: read and handled
+        at_limit, key = {"whole": "x" * (100 - len('{"whole": ""}'))}, str(uuid.uuid4())
+        reply = post(port, "/echo", at_limit, key)
+        assert reply.status == 200 and reply.json() == at_limit
+        # over it, by its Content-Length or once read (chunked): 413, no claim
+        for chunked in (False, True):
+            key = str(uuid.uuid4())
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            headers = {"Idempotency-Key": key, "Content-Type": "application/json",
+                       "Connection": "close"}
+            data = b'{"whole": "' + b"x" * 200 + b'"}'
+            if chunked:
+                conn.request("POST", "/echo", iter([data[:50], data[50:]]), headers,
+                             encode_chunked=True)
+            else:
+                conn.request("POST", "/echo", data, headers)
+            response = conn.getresponse()
+            problem = json.loads(response.read())
+            conn.close()
+            assert response.status == 413, chunked
+            assert response.getheader("content-type") == "application/problem+json"
+            assert problem["detail"] == "the request body is larger than 100 bytes"
+            assert stored(db, key) == []
 
 
 def test_a_scope_function_and_long_scopes_hashed(db):
