@@ -34,10 +34,13 @@
 
 #include "access/xact.h"
 #include "catalog/pg_type.h"
+#include "executor/spi.h"
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "storage/lmgr.h"
 #include "utils/array.h"
+#include "utils/builtins.h"
+#include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 #include "utils/tuplestore.h"
@@ -46,6 +49,7 @@
 #include "tables/tables.h"
 #include "infra/args.h"
 #include "infra/guc.h"
+#include "infra/run_as.h"
 
 PG_FUNCTION_INFO_V1(idem_mark_processed);
 PG_FUNCTION_INFO_V1(idem_is_processed);
@@ -176,6 +180,146 @@ event_processed(IdemRelation *rel, text *consumer, text *event_id,
 		!event_expired(found.tuple, RelationGetDescr(rel->heap), now);
 }
 
+
+/*
+ * The SPI path: the same answers by SQL, one statement per call (two for a
+ * duplicate, whose retention may have passed), run through kept plans as
+ * the table's owner with search_path pinned (infra/run_as.c), as the
+ * outbox's statements are.  INSERT ... ON CONFLICT DO NOTHING waits for a
+ * mark in flight, as the direct path does.  %s is the table: the table
+ * itself, or a shard of it on Citus (planned per call there).
+ */
+typedef enum EventStatement
+{
+	EV_MARK,
+	EV_RENEW,
+	EV_LOOK,
+	EV_MARK_BATCH,
+	EV_RENEW_BATCH,
+	EV_LOOK_BATCH,
+	EV_NUM_STATEMENTS
+} EventStatement;
+
+static const char *const event_sql[EV_NUM_STATEMENTS] = {
+	[EV_MARK] = "INSERT INTO %s (consumer, event_id, processed_at, expires_at)"
+	" VALUES ($1, $2, $3, $4) ON CONFLICT (consumer, event_id) DO NOTHING",
+	[EV_RENEW] = "UPDATE %s SET processed_at = $3, expires_at = $4"
+	" WHERE consumer = $1 AND event_id = $2 AND expires_at <= $3",
+	[EV_LOOK] = "SELECT 1 FROM %s"
+	" WHERE consumer = $1 AND event_id = $2 AND expires_at > $3",
+	[EV_MARK_BATCH] = "INSERT INTO %s (consumer, event_id, processed_at, expires_at)"
+	" SELECT $1, id, $3, $4 FROM pg_catalog.unnest($2) AS id"
+	" ON CONFLICT (consumer, event_id) DO NOTHING RETURNING event_id",
+	[EV_RENEW_BATCH] = "UPDATE %s SET processed_at = $3, expires_at = $4"
+	" WHERE consumer = $1 AND event_id = ANY ($2) AND expires_at <= $3"
+	" RETURNING event_id",
+	[EV_LOOK_BATCH] = "SELECT event_id FROM %s"
+	" WHERE consumer = $1 AND event_id = ANY ($2) AND expires_at > $3",
+};
+
+static SPIPlanPtr event_plans[EV_NUM_STATEMENTS];
+
+/* Where the statements run (the table, or a shard), and as whom. */
+typedef struct EventSql
+{
+	IdemRunAs	run_as;
+	Oid			shard;
+	char	   *shard_name;
+} EventSql;
+
+static void
+event_sql_begin(EventSql *context, text *consumer, LOCKMODE lockmode,
+				const char *function_name)
+{
+	Oid			owner = idem_table_owner(IDEM_TABLE_EVENTS, consumer, lockmode,
+										 function_name, &context->shard);
+
+	context->shard_name = OidIsValid(context->shard) ?
+		quote_qualified_identifier(get_namespace_name(get_rel_namespace(context->shard)),
+								   get_rel_name(context->shard)) : NULL;
+	idem_run_as_begin(&context->run_as, owner, SECURITY_LOCAL_USERID_CHANGE);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+}
+
+static void
+event_sql_end(EventSql *context)
+{
+	SPI_finish();
+	idem_run_as_end(&context->run_as, true);
+}
+
+/* Run a statement with consumer, the id (or ids), now and the expiry. */
+static uint64
+event_sql_run(EventSql *context, EventStatement statement, text *consumer,
+			  Datum ids, TimestampTz now, TimestampTz expires_at)
+{
+	bool		batch = statement >= EV_MARK_BATCH;
+	Oid			types[4] = {TEXTOID, batch ? TEXTARRAYOID : TEXTOID,
+	TIMESTAMPTZOID, TIMESTAMPTZOID};
+	Datum		values[4] = {PointerGetDatum(consumer), ids,
+	TimestampTzGetDatum(now), TimestampTzGetDatum(expires_at)};
+	int			nargs = statement == EV_LOOK || statement == EV_LOOK_BATCH ? 3 : 4;
+	SPIPlanPtr	plan;
+	int			ret;
+
+	if (context->shard_name != NULL)
+		plan = SPI_prepare(psprintf(event_sql[statement], context->shard_name), nargs, types);
+	else
+	{
+		if (event_plans[statement] == NULL)
+		{
+			SPIPlanPtr	prepared = SPI_prepare(psprintf(event_sql[statement],
+														"idempotency.processed_events"),
+											   nargs, types);
+
+			if (prepared == NULL || SPI_keepplan(prepared) != 0)
+				elog(ERROR, "could not prepare event statement %d: %s",
+					 (int) statement, SPI_result_code_string(SPI_result));
+			event_plans[statement] = prepared;
+		}
+		plan = event_plans[statement];
+	}
+	if (plan == NULL)
+		elog(ERROR, "could not prepare event statement %d: %s",
+			 (int) statement, SPI_result_code_string(SPI_result));
+	ret = SPI_execute_plan(plan, values, NULL, false, 0);
+	if (ret < 0)
+		elog(ERROR, "event statement %d failed: %s",
+			 (int) statement, SPI_result_code_string(ret));
+	return SPI_processed;
+}
+
+static bool
+mark_event_sql(text *consumer, text *event_id, const Interval *retention)
+{
+	EventSql	context;
+	TimestampTz now = GetCurrentTimestamp();
+	TimestampTz expires_at = idem_timestamp_plus(now, retention);
+	bool		first_time;
+
+	event_sql_begin(&context, consumer, RowExclusiveLock, "idem_mark_processed()");
+	first_time = event_sql_run(&context, EV_MARK, consumer, PointerGetDatum(event_id),
+							   now, expires_at) > 0 ||
+		event_sql_run(&context, EV_RENEW, consumer, PointerGetDatum(event_id),
+					  now, expires_at) > 0;
+	event_sql_end(&context);
+	return first_time;
+}
+
+static bool
+event_processed_sql(text *consumer, text *event_id)
+{
+	EventSql	context;
+	bool		processed;
+
+	event_sql_begin(&context, consumer, AccessShareLock, "idem_is_processed()");
+	processed = event_sql_run(&context, EV_LOOK, consumer, PointerGetDatum(event_id),
+							  GetCurrentTimestamp(), 0) > 0;
+	event_sql_end(&context);
+	return processed;
+}
+
 /*
  * idem_mark_processed(consumer, event_id, retention) -> boolean
  */
@@ -192,6 +336,8 @@ idem_mark_processed(PG_FUNCTION_ARGS)
 	bool		first_time;
 
 	idem_require_writable("idem_mark_processed()");
+	if (!idem_direct_paths)
+		PG_RETURN_BOOL(mark_event_sql(consumer, event_id, retention));
 	idem_relation_open(&rel, IDEM_TABLE_EVENTS, RowExclusiveLock, consumer,
 					   "idem_mark_processed()");
 	first_time = mark_event(&rel, consumer, event_id, retention, &assume_new, &clock);
@@ -213,6 +359,8 @@ idem_is_processed(PG_FUNCTION_ARGS)
 	IdemRelation rel;
 	bool		processed;
 
+	if (!idem_direct_paths)
+		PG_RETURN_BOOL(event_processed_sql(consumer, event_id));
 	idem_relation_open(&rel, IDEM_TABLE_EVENTS, AccessShareLock, consumer,
 					   "idem_is_processed()");
 	processed = event_processed(&rel, consumer, event_id, GetCurrentTimestamp());
@@ -317,6 +465,72 @@ event_batch_read(FunctionCallInfo fcinfo, int argno, EventBatch *batch)
 	batch->ndistinct = n;
 }
 
+
+/* Bytewise, as compare_event_ids, for the search of a returned id. */
+static int
+compare_id_to_position(const void *key, const void *member, void *arg)
+{
+	const Datum *ids = (const Datum *) arg;
+	text	   *ta = (text *) key;
+	text	   *tb = DatumGetTextPP(ids[*(const int *) member]);
+	int			la = VARSIZE_ANY_EXHDR(ta);
+	int			lb = VARSIZE_ANY_EXHDR(tb);
+	int			cmp = memcmp(VARDATA_ANY(ta), VARDATA_ANY(tb), Min(la, lb));
+
+	if (cmp != 0)
+		return cmp;
+	return la < lb ? -1 : la > lb ? 1 : 0;
+}
+
+/* Set the answer of each id in the first column of SPI_tuptable's rows. */
+static void
+event_batch_take_answers(EventBatch *batch, uint64 nrows)
+{
+	for (uint64 r = 0; r < nrows; r++)
+	{
+		bool		isnull;
+		Datum		id = SPI_getbinval(SPI_tuptable->vals[r], SPI_tuptable->tupdesc, 1,
+									   &isnull);
+		const int  *found;
+
+		if (isnull)
+			continue;
+		found = bsearch_arg(DatumGetTextPP(id), batch->order, batch->ndistinct,
+							sizeof(int), compare_id_to_position, batch->ids);
+		if (found != NULL)
+			batch->answer[*found] = true;
+	}
+}
+
+/* event_batch_answer's work by SQL (see mark_event_sql). */
+static void
+event_batch_answer_sql(EventBatch *batch, text *consumer, bool mark,
+					   const Interval *retention)
+{
+	EventSql	context;
+	Datum	   *sorted = palloc(sizeof(Datum) * batch->ndistinct);
+	Datum		ids;
+	TimestampTz now = GetCurrentTimestamp();
+	TimestampTz expires_at = mark ? idem_timestamp_plus(now, retention) : 0;
+	uint64		nrows;
+
+	for (int i = 0; i < batch->ndistinct; i++)
+		sorted[i] = batch->ids[batch->order[i]];
+	ids = PointerGetDatum(construct_array(sorted, batch->ndistinct, TEXTOID, -1, false,
+										  TYPALIGN_INT));
+	event_sql_begin(&context, consumer, mark ? RowExclusiveLock : AccessShareLock,
+					mark ? "idem_mark_processed_batch()" : "idem_is_processed_batch()");
+	nrows = event_sql_run(&context, mark ? EV_MARK_BATCH : EV_LOOK_BATCH, consumer, ids,
+						  now, expires_at);
+	event_batch_take_answers(batch, nrows);
+	if (mark && nrows < (uint64) batch->ndistinct)
+	{
+		nrows = event_sql_run(&context, EV_RENEW_BATCH, consumer, ids, now, expires_at);
+		event_batch_take_answers(batch, nrows);
+	}
+	event_sql_end(&context);
+}
+
 /*
  * Answer for each distinct id of the batch, in its bytewise order, by
  * marking it (mark) or looking it up, with the table opened once; then
@@ -333,7 +547,9 @@ event_batch_answer(FunctionCallInfo fcinfo, EventBatch *batch, text *consumer,
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 	rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 
-	if (batch->ndistinct > 0)
+	if (batch->ndistinct > 0 && !idem_direct_paths)
+		event_batch_answer_sql(batch, consumer, mark, retention);
+	else if (batch->ndistinct > 0)
 	{
 		IdemRelation rel;
 		MemoryContext per_event = AllocSetContextCreate(CurrentMemoryContext,

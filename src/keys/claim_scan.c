@@ -68,6 +68,7 @@
 #include "keys/claim_scan.h"
 #include "keys/keys.h"
 #include "compat.h"
+#include "infra/guc.h"
 
 #define CLAIM_SCAN_NAME "idem_claim"
 
@@ -218,6 +219,8 @@ claim_set_rel_pathlist(PlannerInfo *root, RelOptInfo *rel, Index rti,
 	if (prev_set_rel_pathlist_hook)
 		prev_set_rel_pathlist_hook(root, rel, rti, rte);
 
+	if (!idem_direct_paths)
+		return;
 	if (rte->rtekind != RTE_FUNCTION || rte->funcordinality ||
 		list_length(rte->functions) != 1 || rel->reloptkind != RELOPT_BASEREL)
 		return;

@@ -38,6 +38,7 @@
 #include <ctype.h>
 
 #include "access/htup_details.h"
+#include "access/table.h"
 #include "access/tupconvert.h"
 #include "access/xact.h"
 #include "catalog/namespace.h"
@@ -261,6 +262,62 @@ make_pending_row(Datum *values, bool *nulls, text *topic, text *key, Datum paylo
 }
 
 /*
+ * The SPI path of the enqueue: the same rows, ids and locks, written by an
+ * INSERT through a kept plan (outbox_sql.c) instead of the direct insert.
+ * The rows' ids are taken here, as the direct path takes them.
+ */
+static void
+enqueue_sql_begin(OutboxSqlContext *context, text *topic, const char *function_name,
+				  uint64 *hashes, int nhashes, int64 *floor)
+{
+	Oid			shard = idem_table_shard_for(IDEM_TABLE_OUTBOX, topic, RowExclusiveLock,
+											 function_name);
+
+	for (int i = 0; i < nhashes; i++)
+		if (i == 0 || hashes[i] != hashes[i - 1])
+			lock_outbox_key(hashes[i]);
+	*floor = PG_INT64_MIN;
+	if (OidIsValid(shard))
+	{
+		Relation	heap = table_open(shard, NoLock);
+
+		*floor = idem_outbox_last_id(heap, topic);
+		table_close(heap, NoLock);
+	}
+	if (!outbox_sql_begin_on(context, shard))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("the outbox's shard for this topic moved away from this node"),
+				 errhint("Call %s again.", function_name)));
+}
+
+static int64
+enqueue_sql(text *topic, text *key, Datum payload, Jsonb *headers)
+{
+	OutboxSqlContext context;
+	uint64		hash = key != NULL ? outbox_key_hash(topic, key) : 0;
+	int64		floor;
+	int64		id;
+	Datum		values[6];
+	char		nulls[7] = "      ";
+
+	enqueue_sql_begin(&context, topic, "idem_outbox_enqueue()", &hash, key != NULL ? 1 : 0,
+					  &floor);
+	id = idem_outbox_next_id(floor);
+	values[0] = Int64GetDatum(id);
+	values[1] = PointerGetDatum(topic);
+	values[2] = PointerGetDatum(key);
+	nulls[2] = key == NULL ? 'n' : ' ';
+	values[3] = payload;
+	values[4] = PointerGetDatum(headers);
+	nulls[4] = headers == NULL ? 'n' : ' ';
+	values[5] = TimestampTzGetDatum(GetCurrentTimestamp());
+	(void) outbox_sql_run(STMT_ENQUEUE, values, nulls);
+	outbox_sql_end(&context);
+	return id;
+}
+
+/*
  * idem_outbox_enqueue(topic, payload, key, headers) -> bigint
  */
 Datum
@@ -282,6 +339,13 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 	check_headers(headers);
 
 	idem_require_writable("idem_outbox_enqueue()");
+	if (!idem_direct_paths)
+	{
+		id = enqueue_sql(topic, key, PG_GETARG_DATUM(1), headers);
+		if (topic_is_routed(topic))
+			idem_wake_worker_at_commit();
+		PG_RETURN_INT64(id);
+	}
 
 	/*
 	 * A new row is written straight into the table and its indexes, as the
@@ -293,7 +357,7 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 	if (key != NULL)
 		lock_outbox_key(outbox_key_hash(topic, key));
 	id = make_pending_row(values, nulls, topic, key, PG_GETARG_DATUM(1), headers,
-						  GetCurrentTimestamp(), idem_outbox_last_id(&rel, topic));
+						  GetCurrentTimestamp(), idem_outbox_last_id(rel.heap, topic));
 	idem_insert(&rel, values, nulls);
 	idem_relation_close(&rel);
 	if (topic_is_routed(topic))
@@ -422,9 +486,51 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 	if (count == 0)
 		return (Datum) 0;
 
+	qsort(hashes, nhashes, sizeof(uint64), compare_hashes);
+	if (!idem_direct_paths)
+	{
+		OutboxSqlContext context;
+		Datum	   *ids = palloc(sizeof(Datum) * count);
+		Datum		values[6];
+		char		nulls[7] = "      ";
+		int			dims[1] = {count};
+		int			lbs[1] = {1};
+
+		enqueue_sql_begin(&context, topic, "idem_outbox_enqueue_batch()", hashes, nhashes,
+						  &floor);
+		for (int i = 0; i < count; i++)
+		{
+			bool		isnull = false;
+
+			ids[i] = Int64GetDatum(idem_outbox_next_id(i == 0 ? floor : PG_INT64_MIN));
+			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, &ids[i], &isnull);
+		}
+		values[0] = PointerGetDatum(construct_array(ids, count, INT8OID, 8, FLOAT8PASSBYVAL,
+													TYPALIGN_DOUBLE));
+		values[1] = PointerGetDatum(topic);
+		if (keys != NULL)
+			values[2] = PointerGetDatum(construct_md_array(keys, key_nulls, 1, dims, lbs,
+														   TEXTOID, -1, false,
+														   TYPALIGN_INT));
+		else
+			nulls[2] = 'n';
+		values[3] = PointerGetDatum(construct_array(payloads, count, JSONBOID, -1, false,
+													TYPALIGN_INT));
+		if (headers != NULL)
+			values[4] = PointerGetDatum(construct_md_array(headers, header_nulls, 1, dims,
+														   lbs, JSONBOID, -1, false,
+														   TYPALIGN_INT));
+		else
+			nulls[4] = 'n';
+		values[5] = TimestampTzGetDatum(now);
+		(void) outbox_sql_run(STMT_ENQUEUE_BATCH, values, nulls);
+		outbox_sql_end(&context);
+		if (topic_is_routed(topic))
+			idem_wake_worker_at_commit();
+		return (Datum) 0;
+	}
 	idem_relation_open(&rel, IDEM_TABLE_OUTBOX, RowExclusiveLock, topic,
 					   "idem_outbox_enqueue_batch()");
-	qsort(hashes, nhashes, sizeof(uint64), compare_hashes);
 	for (int i = 0; i < nhashes; i++)
 		if (i == 0 || hashes[i] != hashes[i - 1])
 			lock_outbox_key(hashes[i]);
@@ -437,7 +543,7 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 		row_nulls[i] = palloc(sizeof(bool) * Natts_outbox);
 	}
 	/* the batch's ids grow from the first, which must be above the topic's last */
-	floor = idem_outbox_last_id(&rel, topic);
+	floor = idem_outbox_last_id(rel.heap, topic);
 	for (int first = 0; first < count; first += ENQUEUE_CHUNK)
 	{
 		int			nrows = Min(count - first, ENQUEUE_CHUNK);

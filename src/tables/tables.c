@@ -373,6 +373,34 @@ idem_outbox_owner(int *natts)
 }
 
 /*
+ * For the statements that reach one of our tables through SPI: the role
+ * that owns it (they run as that role, see infra/run_as.c), and in *shard
+ * where the rows whose distribution value is value are: InvalidOid for the
+ * table itself, or, where Citus distributes it, the shard that holds value
+ * on this node (an ERROR naming function_name otherwise).  Locked in
+ * lockmode until the end of the transaction.
+ */
+Oid
+idem_table_owner(IdemTable table, text *value, LOCKMODE lockmode,
+				 const char *function_name, Oid *shard)
+{
+	char		partmethod;
+	Relation	heap = open_table(table, lockmode, &partmethod);
+	Oid			owner = heap->rd_rel->relowner;
+
+	*shard = InvalidOid;
+	if (partmethod == IDEM_CITUS_HASH)
+	{
+		Relation	rel = open_shard(table, heap, value, lockmode, function_name);
+
+		*shard = RelationGetRelid(rel);
+		table_close(rel, NoLock);
+	}
+	table_close(heap, NoLock);
+	return owner;
+}
+
+/*
  * The outbox, locked in lockmode until the end of the transaction, once
  * idem_check_table has seen that it is the one expected: for the reading of
  * its indexes by the ack's order check (outbox_ack.c).  Not for a table
@@ -1073,7 +1101,7 @@ idem_outbox_next_id(int64 floor)
  * PG_INT64_MIN if there is none, and on one node.
  */
 int64
-idem_outbox_last_id(IdemRelation *rel, text *topic)
+idem_outbox_last_id(Relation heap, text *topic)
 {
 	List	   *indexes;
 	ListCell   *lc;
@@ -1081,7 +1109,7 @@ idem_outbox_last_id(IdemRelation *rel, text *topic)
 
 	if (cached_partmethod[IDEM_TABLE_OUTBOX] != IDEM_CITUS_HASH)
 		return PG_INT64_MIN;
-	indexes = RelationGetIndexList(rel->heap);
+	indexes = RelationGetIndexList(heap);
 
 	foreach(lc, indexes)
 	{
@@ -1099,8 +1127,8 @@ idem_outbox_last_id(IdemRelation *rel, text *topic)
 		}
 		ScanKeyInit(&key, 1, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(topic));
 		key.sk_collation = C_COLLATION_OID;
-		slot = table_slot_create(rel->heap, NULL);
-		scan = compat_index_beginscan(rel->heap, index, GetLatestSnapshot(), 1, 0);
+		slot = table_slot_create(heap, NULL);
+		scan = compat_index_beginscan(heap, index, GetLatestSnapshot(), 1, 0);
 		index_rescan(scan, &key, 1, NULL, 0);
 		if (index_getnext_slot(scan, BackwardScanDirection, slot))
 		{
