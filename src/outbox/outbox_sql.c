@@ -543,7 +543,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		"INSERT INTO idempotency.outbox (id, topic, key, payload, headers, created_at,"
 		" state, attempts, available_at)"
 		" SELECT r.id, $2, r.key, r.payload, r.headers, $6, 'pending', 0, $6"
-		" FROM pg_catalog.unnest($1, $3, $4, $5) AS r (id, key, payload, headers)",
+		" FROM unnest($1, $3, $4, $5) AS r (id, key, payload, headers)",
 		6, {INT8ARRAYOID, TEXTOID, TEXTARRAYOID, JSONBARRAYOID, JSONBARRAYOID, TIMESTAMPTZOID}
 	},
 	[STMT_ROUTE] = {
