@@ -10,23 +10,28 @@
  * duplicate (skip it, acknowledge it).  Unlike idem_claim, a duplicate that
  * arrives while the first delivery is still in flight waits for it: false if
  * it commits, true if it rolls back.  That is INSERT ... ON CONFLICT DO
- * NOTHING's behaviour, done with the same direct probe-and-insert as keys.c
- * (see tables.c) so that a mark costs one index probe and one insert.
+ * NOTHING's behaviour, and the single calls are that statement (and a
+ * SELECT to look), through kept plans: the direct path bought them nothing
+ * measurable (issue 29; doc/internals.md, "C where it pays").
  *
  * An event past its retention counts as not processed, before any purge:
  * marking it again renews the row.
  *
- * The batch forms take the ids a broker hands over in one poll and make
- * each id's mark (or look) exactly as the single call does, with the same
- * code, in one call: one round trip, the table opened once.  Each answers
- * with the ids it would have answered true for, in the array's order.  A
- * batch marks its ids in one canonical order, bytewise (the columns are
- * COLLATE "C"), whatever the array's: a batch that waits for another's mark
- * holds only marks of ids before it in that order, so two batches that
- * overlap can never wait for each other in a circle.
+ * The batch forms take the ids a broker hands over in one poll and answer
+ * for each id exactly as the single call does, in one call: one round
+ * trip.  Each answers with the ids it would have answered true for, in the
+ * array's order.  idem_is_processed_batch is one SELECT of them all;
+ * idem_mark_processed_batch marks them through the direct path (tables.c:
+ * a probe under a dirty snapshot and speculative insertion, the table
+ * opened once), which is where C pays: 1.4x to 2.2x the same batch as one
+ * INSERT ... SELECT ... ON CONFLICT DO NOTHING.  A batch marks its ids in
+ * one canonical order, bytewise (the columns are COLLATE "C"), whatever the
+ * array's: a batch that waits for another's mark holds only marks of ids
+ * before it in that order, so two batches that overlap can never wait for
+ * each other in a circle.
  *
  * Owns: idem_mark_processed, idem_is_processed and their batch forms.
- * May call: tables/tables.h, infra/ (argument checks, settings).
+ * May call: tables/tables.h, infra/ (argument checks, settings, run_as.h).
  *
  *-------------------------------------------------------------------------
  */
@@ -164,38 +169,23 @@ mark_event(IdemRelation *rel, text *consumer, text *event_id,
 }
 
 /*
- * Has the consumer processed the event: a mark committed (or made by this
- * transaction) and within its retention at now?  A mark still in flight
- * elsewhere is not counted, since it may roll back.
- */
-static bool
-event_processed(IdemRelation *rel, text *consumer, text *event_id,
-				TimestampTz now)
-{
-	Datum		pkey[2] = {PointerGetDatum(consumer), PointerGetDatum(event_id)};
-	ProbeResult found;
-
-	idem_probe(rel, pkey, &found);
-	return found.outcome == PROBE_FOUND &&
-		!event_expired(found.tuple, RelationGetDescr(rel->heap), now);
-}
-
-
-/*
- * The SPI path: the same answers by SQL, one statement per call (two for a
- * duplicate, whose retention may have passed), run through kept plans as
- * the table's owner with search_path pinned (infra/run_as.c), as the
- * outbox's statements are.  INSERT ... ON CONFLICT DO NOTHING waits for a
- * mark in flight, as the direct path does.  %s is the table: the table
- * itself, or a shard of it on Citus (planned per call there).
+ * The statements of the single calls and of the batch look: one per call
+ * (two for a duplicate mark, whose retention may have passed), through
+ * plans kept for the backend's life, run as the table's owner with
+ * search_path pinned (infra/run_as.c), as the outbox's statements are: the
+ * caller needs EXECUTE on the function, not rights on the table.  INSERT
+ * ... ON CONFLICT DO NOTHING waits for a mark in flight and then counts it
+ * by its outcome.  Under READ COMMITTED each statement reads the latest
+ * committed state; under REPEATABLE READ or SERIALIZABLE, a duplicate
+ * committed after the snapshot fails with 40001, as the INSERT would.  %s
+ * is the table: the table itself, or its shard on this node where Citus
+ * distributes it (planned per call there).
  */
 typedef enum EventStatement
 {
 	EV_MARK,
 	EV_RENEW,
 	EV_LOOK,
-	EV_MARK_BATCH,
-	EV_RENEW_BATCH,
 	EV_LOOK_BATCH,
 	EV_NUM_STATEMENTS
 } EventStatement;
@@ -207,12 +197,6 @@ static const char *const event_sql[EV_NUM_STATEMENTS] = {
 	" WHERE consumer = $1 AND event_id = $2 AND expires_at <= $3",
 	[EV_LOOK] = "SELECT 1 FROM %s"
 	" WHERE consumer = $1 AND event_id = $2 AND expires_at > $3",
-	[EV_MARK_BATCH] = "INSERT INTO %s (consumer, event_id, processed_at, expires_at)"
-	" SELECT $1, id, $3, $4 FROM pg_catalog.unnest($2) AS id"
-	" ON CONFLICT (consumer, event_id) DO NOTHING RETURNING event_id",
-	[EV_RENEW_BATCH] = "UPDATE %s SET processed_at = $3, expires_at = $4"
-	" WHERE consumer = $1 AND event_id = ANY ($2) AND expires_at <= $3"
-	" RETURNING event_id",
 	[EV_LOOK_BATCH] = "SELECT event_id FROM %s"
 	" WHERE consumer = $1 AND event_id = ANY ($2) AND expires_at > $3",
 };
@@ -254,7 +238,7 @@ static uint64
 event_sql_run(EventSql *context, EventStatement statement, text *consumer,
 			  Datum ids, TimestampTz now, TimestampTz expires_at)
 {
-	bool		batch = statement >= EV_MARK_BATCH;
+	bool		batch = statement == EV_LOOK_BATCH;
 	Oid			types[4] = {TEXTOID, batch ? TEXTARRAYOID : TEXTOID,
 	TIMESTAMPTZOID, TIMESTAMPTZOID};
 	Datum		values[4] = {PointerGetDatum(consumer), ids,
@@ -330,20 +314,9 @@ idem_mark_processed(PG_FUNCTION_ARGS)
 	text	   *event_id = idem_arg_identifier(fcinfo, 1, "event_id", 1);
 	Interval   *retention = idem_arg_duration(fcinfo, 2, "retention",
 											  (int64) idem_event_retention_s * 1000);
-	IdemRelation rel;
-	bool		assume_new = false;
-	MarkClock	clock = {false};
-	bool		first_time;
 
 	idem_require_writable("idem_mark_processed()");
-	if (!idem_direct_paths)
-		PG_RETURN_BOOL(mark_event_sql(consumer, event_id, retention));
-	idem_relation_open(&rel, IDEM_TABLE_EVENTS, RowExclusiveLock, consumer,
-					   "idem_mark_processed()");
-	first_time = mark_event(&rel, consumer, event_id, retention, &assume_new, &clock);
-	idem_relation_close(&rel);
-
-	PG_RETURN_BOOL(first_time);
+	PG_RETURN_BOOL(mark_event_sql(consumer, event_id, retention));
 }
 
 /*
@@ -356,17 +329,8 @@ idem_is_processed(PG_FUNCTION_ARGS)
 {
 	text	   *consumer = idem_arg_identifier(fcinfo, 0, "consumer", 1);
 	text	   *event_id = idem_arg_identifier(fcinfo, 1, "event_id", 1);
-	IdemRelation rel;
-	bool		processed;
 
-	if (!idem_direct_paths)
-		PG_RETURN_BOOL(event_processed_sql(consumer, event_id));
-	idem_relation_open(&rel, IDEM_TABLE_EVENTS, AccessShareLock, consumer,
-					   "idem_is_processed()");
-	processed = event_processed(&rel, consumer, event_id, GetCurrentTimestamp());
-	idem_relation_close(&rel);
-
-	PG_RETURN_BOOL(processed);
+	PG_RETURN_BOOL(event_processed_sql(consumer, event_id));
 }
 
 /*
@@ -502,41 +466,64 @@ event_batch_take_answers(EventBatch *batch, uint64 nrows)
 	}
 }
 
-/* event_batch_answer's work by SQL (see mark_event_sql). */
+/* The batch look: the ids among the batch's that the consumer has processed. */
 static void
-event_batch_answer_sql(EventBatch *batch, text *consumer, bool mark,
-					   const Interval *retention)
+event_batch_look(EventBatch *batch, text *consumer)
 {
 	EventSql	context;
 	Datum	   *sorted = palloc(sizeof(Datum) * batch->ndistinct);
 	Datum		ids;
-	TimestampTz now = GetCurrentTimestamp();
-	TimestampTz expires_at = mark ? idem_timestamp_plus(now, retention) : 0;
-	uint64		nrows;
 
 	for (int i = 0; i < batch->ndistinct; i++)
 		sorted[i] = batch->ids[batch->order[i]];
 	ids = PointerGetDatum(construct_array(sorted, batch->ndistinct, TEXTOID, -1, false,
 										  TYPALIGN_INT));
-	event_sql_begin(&context, consumer, mark ? RowExclusiveLock : AccessShareLock,
-					mark ? "idem_mark_processed_batch()" : "idem_is_processed_batch()");
-	nrows = event_sql_run(&context, mark ? EV_MARK_BATCH : EV_LOOK_BATCH, consumer, ids,
-						  now, expires_at);
-	event_batch_take_answers(batch, nrows);
-	if (mark && nrows < (uint64) batch->ndistinct)
-	{
-		nrows = event_sql_run(&context, EV_RENEW_BATCH, consumer, ids, now, expires_at);
-		event_batch_take_answers(batch, nrows);
-	}
+	event_sql_begin(&context, consumer, AccessShareLock, "idem_is_processed_batch()");
+	event_batch_take_answers(batch, event_sql_run(&context, EV_LOOK_BATCH, consumer, ids,
+												  GetCurrentTimestamp(), 0));
 	event_sql_end(&context);
 }
 
 /*
- * Answer for each distinct id of the batch, in its bytewise order, by
- * marking it (mark) or looking it up, with the table opened once; then
- * return the ids answered true, in the array's order, as the function's set
- * of text.  Each id's work runs in a context reset after it, so that a long
- * batch does not keep every probe's copies until it ends.
+ * Mark each distinct id of the batch, in its bytewise order, with the
+ * table opened once.  Each id's work runs in a context reset after it, so
+ * that a long batch does not keep every probe's copies until it ends.
+ */
+static void
+event_batch_mark(EventBatch *batch, text *consumer, const Interval *retention)
+{
+	IdemRelation rel;
+	MemoryContext per_event = AllocSetContextCreate(CurrentMemoryContext,
+													"idempotency batch event",
+													ALLOCSET_SMALL_SIZES);
+	bool		assume_new = true;
+	MarkClock	clock = {false};
+
+	idem_relation_open(&rel, IDEM_TABLE_EVENTS, RowExclusiveLock, consumer,
+					   "idem_mark_processed_batch()");
+	idem_batch_begin(&rel);
+	for (int i = 0; i < batch->ndistinct; i++)
+	{
+		int			pos = batch->order[i];
+		text	   *event_id = DatumGetTextPP(batch->ids[pos]);
+		MemoryContext oldcontext;
+
+		CHECK_FOR_INTERRUPTS();
+		oldcontext = MemoryContextSwitchTo(per_event);
+		batch->answer[pos] = mark_event(&rel, consumer, event_id, retention,
+										&assume_new, &clock);
+		MemoryContextSwitchTo(oldcontext);
+		MemoryContextReset(per_event);
+	}
+	idem_batch_end(&rel);
+	idem_relation_close(&rel);
+	MemoryContextDelete(per_event);
+}
+
+/*
+ * Answer for each distinct id of the batch by marking it (mark) or looking
+ * it up; then return the ids answered true, in the array's order, as the
+ * function's set of text.
  */
 static void
 event_batch_answer(FunctionCallInfo fcinfo, EventBatch *batch, text *consumer,
@@ -547,42 +534,10 @@ event_batch_answer(FunctionCallInfo fcinfo, EventBatch *batch, text *consumer,
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 	rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 
-	if (batch->ndistinct > 0 && !idem_direct_paths)
-		event_batch_answer_sql(batch, consumer, mark, retention);
+	if (batch->ndistinct > 0 && mark)
+		event_batch_mark(batch, consumer, retention);
 	else if (batch->ndistinct > 0)
-	{
-		IdemRelation rel;
-		MemoryContext per_event = AllocSetContextCreate(CurrentMemoryContext,
-														"idempotency batch event",
-														ALLOCSET_SMALL_SIZES);
-		TimestampTz now = GetCurrentTimestamp();
-		bool		assume_new = true;
-		MarkClock	clock = {false};
-
-		idem_relation_open(&rel, IDEM_TABLE_EVENTS,
-						   mark ? RowExclusiveLock : AccessShareLock, consumer,
-						   mark ? "idem_mark_processed_batch()" : "idem_is_processed_batch()");
-		if (mark)
-			idem_batch_begin(&rel);
-		for (int i = 0; i < batch->ndistinct; i++)
-		{
-			int			pos = batch->order[i];
-			text	   *event_id = DatumGetTextPP(batch->ids[pos]);
-			MemoryContext oldcontext;
-
-			CHECK_FOR_INTERRUPTS();
-			oldcontext = MemoryContextSwitchTo(per_event);
-			batch->answer[pos] = mark ?
-				mark_event(&rel, consumer, event_id, retention, &assume_new, &clock) :
-				event_processed(&rel, consumer, event_id, now);
-			MemoryContextSwitchTo(oldcontext);
-			MemoryContextReset(per_event);
-		}
-		if (mark)
-			idem_batch_end(&rel);
-		idem_relation_close(&rel);
-		MemoryContextDelete(per_event);
-	}
+		event_batch_look(batch, consumer);
 
 	for (int i = 0; i < batch->nids; i++)
 	{
