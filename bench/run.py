@@ -61,13 +61,8 @@ WAITERS = int(os.environ.get("BENCH_WAITERS", "1000"))
 # The replay pair goes first, while the keys table holds the same 100,000
 # stored responses as its reference: the claims of the other pairs grow it
 # several times over, past what shared_buffers holds beside the reference.
-SPI_SIDE = {"ref_options": "-c idempotency.direct_paths=off"}
 PAIRS = [
     ("replay_vs_pk_select", "replay.sql", "pk_select.sql", 0.90),
-    # issue 29, item 2 (temporary): each path that bypasses the executor
-    # against the same call through its SPI version (idempotency.direct_paths
-    # off on the reference side): the bypass stays only at 1.2x or more
-    ("direct_vs_spi_replay_scan", "replay.sql", "replay.sql", 1.20, SPI_SIDE),
     ("claim_complete_vs_floor", "claim_complete.sql", "floor.sql", 0.90),
     ("claim_complete_vs_plpgsql", "claim_complete.sql", "plpgsql.sql", 1.30),
     ("mark_processed_vs_insert", "mark_processed.sql", "insert_events.sql", 0.95),
@@ -83,14 +78,6 @@ PAIRS = [
     # filling their waits (issue 19)
     ("mark_batch_vs_single_8_clients", "mark_processed_batch.sql", "mark_processed_500.sql",
      None),
-    ("direct_vs_spi_mark", "mark_processed.sql", "mark_processed.sql", 1.20, SPI_SIDE),
-    ("direct_vs_spi_is_processed", "is_processed.sql", "is_processed.sql", 1.20, SPI_SIDE),
-    ("direct_vs_spi_mark_batch", "mark_processed_batch.sql", "mark_processed_batch.sql", 1.20,
-     SPI_SIDE),
-    ("direct_vs_spi_is_processed_batch", "is_processed_batch.sql", "is_processed_batch.sql",
-     1.20, SPI_SIDE),
-    ("direct_vs_spi_enqueue", "enqueue.sql", "enqueue.sql", 1.20, SPI_SIDE),
-    ("direct_vs_spi_enqueue_batch", "enqueue_batch.sql", "enqueue_batch.sql", 1.20, SPI_SIDE),
 ]
 
 # EDITION=sql: the SQL edition (make dist's script, which scripts/bench.sh
@@ -302,8 +289,7 @@ def load():
         return " ".join(loadavg.read().split()[:3])
 
 
-def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, ours_options=None,
-            ref_options=None, **kwargs):
+def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
     """Rounds of ours and the reference, alternating which goes first; each
     run starts from vacuumed tables and a checkpoint.  Returns the median
     tps and latency of each side, each round's ratio, and the ratio: the
@@ -321,10 +307,7 @@ def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, ours_optio
             cluster.psql(f"VACUUM (ANALYZE) {', '.join(PAIR_TABLES)}")
             cluster.psql("CHECKPOINT")
             before = cpu_times()
-            side_options = ours_options if side == "ours" else ref_options
-            results[side].append(cluster.pgbench(script, seconds,
-                                                 **(dict(kwargs, options=side_options)
-                                                    if side_options else kwargs)))
+            results[side].append(cluster.pgbench(script, seconds, **kwargs))
             steal[side].append(steal_share(before, cpu_times()))
     median = {side: (statistics.median(t for t, _ in runs),
                      statistics.median(l for _, l in runs))
@@ -1051,16 +1034,6 @@ def main():
                              "INSERT INTO idempotency.keys SELECT * FROM bench_replay; "
                              "INSERT INTO bench_floor SELECT * FROM bench_replay; "
                              "INSERT INTO peer_keys SELECT * FROM bench_replay")
-            if ours in ("is_processed.sql", "is_processed_batch.sql"):
-                # 200,000 marks, every other id of the pgbench range: half
-                # the looks find one
-                cluster.psql("TRUNCATE idempotency.processed_events; "
-                             "INSERT INTO idempotency.processed_events"
-                             " SELECT 'bench', (2 * n)::text, now(), now() + interval '14 days'"
-                             " FROM generate_series(1, 100000) n; "
-                             "INSERT INTO idempotency.processed_events"
-                             " SELECT 'bench', n::text, now(), now() + interval '14 days'"
-                             " FROM generate_series(200001, 300000) n")
             if ours == "mark_processed_batch.sql":
                 # millions of rows a pair: each starts from empty tables
                 cluster.psql("TRUNCATE idempotency.processed_events, bench_events")

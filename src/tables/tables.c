@@ -27,8 +27,10 @@
  *	  maintenance.
  * May call: tables/table_check.h (on first open), infra/subxact.h (the
  *	  outbox sequence's move), compat.h.  Called by
- *	  keys/keys.c, events/events.c, outbox/outbox_sql.c (the owner),
- *	  outbox/outbox_ack.c (the outbox) and worker/purge.c (the walk).
+ *	  keys/keys.c, events/events.c (the batch mark; the owner for the rest),
+ *	  outbox/outbox.c (the shard and the ids of an enqueue),
+ *	  outbox/outbox_sql.c (the owner), outbox/outbox_ack.c (the outbox) and
+ *	  worker/purge.c (the walk).
  *
  *-------------------------------------------------------------------------
  */
@@ -921,44 +923,6 @@ idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls)
 	ExecDropSingleTupleTableSlot(slot);
 	CommandCounterIncrement();
 	return inserted;
-}
-
-/*
- * Insert a row whose primary key cannot be taken (a fresh sequence value is
- * part of it), as a plain INSERT would, unique check included.
- */
-void
-idem_insert(IdemRelation *rel, Datum *values, bool *nulls)
-{
-	TupleTableSlot *slot = make_slot(rel, values, nulls);
-
-	table_tuple_insert(rel->heap, slot, GetCurrentCommandId(true), 0, NULL);
-	(void) insert_index_entries(rel, slot, UNIQUE_CHECK_YES, false, false);
-	ExecDropSingleTupleTableSlot(slot);
-	CommandCounterIncrement();
-}
-
-/*
- * Insert rows whose primary keys cannot be taken (see idem_insert), as COPY
- * does: the heap's rows a page at a time (one WAL record per page rather
- * than per row), then each row's index entries, and one
- * CommandCounterIncrement for them all.
- */
-void
-idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls, int nrows)
-{
-	TupleTableSlot **slots = palloc(sizeof(TupleTableSlot *) * Max(nrows, 1));
-
-	for (int i = 0; i < nrows; i++)
-		slots[i] = make_slot(rel, values[i], nulls[i]);
-	table_multi_insert(rel->heap, slots, nrows, GetCurrentCommandId(true), 0, NULL);
-	for (int i = 0; i < nrows; i++)
-	{
-		(void) insert_index_entries(rel, slots[i], UNIQUE_CHECK_YES, false, false);
-		ExecDropSingleTupleTableSlot(slots[i]);
-	}
-	pfree(slots);
-	CommandCounterIncrement();
 }
 
 /*

@@ -165,9 +165,6 @@ extern bool idem_row_visible_to_snapshot(IdemRelation *rel,
 extern void idem_batch_begin(IdemRelation *rel);
 extern void idem_batch_end(IdemRelation *rel);
 extern bool idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls);
-extern void idem_insert(IdemRelation *rel, Datum *values, bool *nulls);
-extern void idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls,
-							 int nrows);
 extern int64 idem_outbox_next_id(int64 floor);
 extern int64 idem_outbox_last_id(Relation heap, text *topic);
 extern TM_Result idem_update(IdemRelation *rel, ItemPointer tid,
