@@ -29,7 +29,6 @@
 #define FIRST_STATUS	100
 #define LAST_STATUS		599
 
-bool		idem_direct_paths = true;
 int			idem_key_ttl_s = 24 * 60 * 60;
 int			idem_lease_ms = 60 * 1000;
 int			idem_event_retention_s = 14 * 24 * 60 * 60;
@@ -195,14 +194,6 @@ idem_interval_from_ms(int64 ms)
 void
 idem_define_gucs(void)
 {
-	DefineCustomBoolVariable("idempotency.direct_paths",
-							 "Temporary: the direct paths (on) or their SPI versions (off).",
-							 NULL,
-							 &idem_direct_paths,
-							 true,
-							 PGC_USERSET,
-							 GUC_NO_SHOW_ALL | GUC_NOT_IN_SAMPLE,
-							 NULL, NULL, NULL);
 	DefineCustomIntVariable("idempotency.key_ttl",
 							"How long a completed response is kept.",
 							"Counted from completion.  Used when idem_claim is "

@@ -53,13 +53,6 @@ extern int	idem_max_response_bytes;
 /* idempotency.max_wait, in milliseconds: the largest wait idem_claim takes */
 extern int	idem_max_wait_ms;
 
-/*
- * idempotency.direct_paths: TEMPORARY (issue 29, item 2), the switch
- * between the paths that bypass the executor and their SPI versions, so
- * that make bench can measure both in one run.  Removed once decided.
- */
-extern bool idem_direct_paths;
-
 extern void idem_define_gucs(void);
 
 /* Is this HTTP status transient (released, not stored)?  See release_statuses. */
