@@ -130,7 +130,7 @@ static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
 	2, first_two_columns, two_text_columns_eq, keys_checks, Anum_keys_expires_at, 0},
 	[IDEM_TABLE_EVENTS] = {"processed_events", Natts_events, events_columns,
 	2, first_two_columns, two_text_columns_eq, no_checks, Anum_events_expires_at, 0},
-	/* only enqueued here; the rest of the outbox's life is SQL (outbox.c) */
+	/* the outbox's life is SQL (outbox_sql.c), but for the ack's order check */
 	[IDEM_TABLE_OUTBOX] = {"outbox", Natts_outbox, outbox_columns,
 	2, topic_and_id, topic_and_id_eq, outbox_checks, InvalidAttrNumber,
 	Natts_outbox - Natts_outbox_1_1},
