@@ -28,7 +28,7 @@
  * Owns: the SQL functions idem_outbox_*, the per-key enqueue lock, and
  *	  this backend's knowledge of which topics are routed.
  * May call: outbox/outbox_sql.h and outbox/outbox_ack.h, tables/ (the
- *	  outbox's owner, the direct insert), infra/ (argument
+ *	  shard of a topic and the ids of an enqueue), infra/ (argument
  *	  checks, settings, the worker's wake-up at commit).
  *
  *-------------------------------------------------------------------------
