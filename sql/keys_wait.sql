@@ -16,7 +16,7 @@ SELECT idem_claim('w', 'new', wait => '1 day -25 hours');
 SELECT count(*) FROM keys WHERE scope = 'w' AND key = 'new';
 
 -- wait must not exceed idempotency.max_wait (a minute by default): 22023
--- through the function and the direct scan, and nothing is written.  The
+-- through the function and in FROM, and nothing is written.  The
 -- setting itself is accepted.
 SHOW idempotency.max_wait;
 SELECT idem_claim('w', 'new', wait => '61 seconds');
@@ -53,7 +53,7 @@ SELECT outcome, attempt FROM idem_claim('w', 'held', wait => '0');
 SELECT outcome, attempt FROM idem_claim('w', 'held', wait => '0 seconds');
 
 -- A positive wait that runs out: in_progress, after the wait and not
--- before it (through the direct scan, and through the function).
+-- before it (in FROM, and through the function).
 SELECT outcome, attempt, clock_timestamp() - statement_timestamp() >= '200 ms' AS waited
 FROM idem_claim('w', 'held', wait => '200 ms');
 SELECT (c).outcome, clock_timestamp() - statement_timestamp() >= '200 ms' AS waited
