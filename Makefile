@@ -20,7 +20,6 @@ MODULE_big = idempotency
 # (what they share).  src/README.md says what each may call.
 OBJS = \
 	src/idempotency.o \
-	src/keys/claim_scan.o \
 	src/keys/fingerprint.o \
 	src/keys/keys.o \
 	src/events/events.o \

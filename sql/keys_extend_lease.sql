@@ -8,7 +8,7 @@ SELECT scope, key, attempt, recovery_point, lease_expires_at, status_code, expir
 FROM keys WHERE false;
 
 -- claimed: lease_expires_at is when the new claim's lease runs out, as
--- stored; expires_at is NULL.  The direct scan and the function agree.
+-- stored; expires_at is NULL.  A call in FROM and the function agree.
 SELECT outcome, lease_expires_at - created_at AS lease, expires_at IS NULL AS no_expires_at
 FROM idem_claim('t', 'held', lease => '10 minutes') \gset claimed_
 \echo :claimed_outcome :claimed_lease :claimed_no_expires_at

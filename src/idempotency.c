@@ -5,8 +5,9 @@
  *	  to the server, and does nothing else.
  *
  * Owns: the order of registration.
- * May call: the register functions of keys/claim_scan.h,
- *	  citus/delegation_guard.h, worker/launcher.h, infra/guc.h and infra/shmem.h.  Nothing includes this file's symbols.
+ * May call: the register functions of citus/delegation_guard.h,
+ *	  worker/launcher.h, infra/guc.h and infra/shmem.h.  Nothing includes this
+ *	  file's symbols.
  *
  *-------------------------------------------------------------------------
  */
@@ -15,7 +16,6 @@
 #include "fmgr.h"
 #include "miscadmin.h"
 
-#include "keys/claim_scan.h"
 #include "citus/delegation_guard.h"
 #include "worker/launcher.h"
 #include "infra/guc.h"
@@ -34,7 +34,6 @@ void
 _PG_init(void)
 {
 	idem_define_gucs();
-	idem_claim_scan_register();
 	idem_delegation_guard_register();
 
 	if (!process_shared_preload_libraries_in_progress)

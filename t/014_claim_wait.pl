@@ -10,7 +10,7 @@
 #   two transactions, the holder's claim committed, its completion comes
 #     in a later transaction: 32 replays.
 #
-# Half the waiters call idem_claim in FROM (the direct scan), half as a
+# Half the waiters call idem_claim in FROM, half as a
 # function.  The holder acts only once all 32 sleep in the wait (their wait
 # event in pg_stat_activity), so that their wake-up is what is tested.  Then
 # the server is restarted with one wait slot per partition, and 32 waiters
@@ -128,7 +128,7 @@ sub check_round
 		$waiters - $claimed, "$name: every other waiter replayed the response, byte for byte");
 	is($node->safe_psql('postgres',
 			"SELECT count(DISTINCT direct) FROM outcomes WHERE key = '$key'"),
-		'2', "$name: through the direct scan and the function");
+		'2', "$name: through FROM and the function");
 }
 
 for my $round (1 .. 2)

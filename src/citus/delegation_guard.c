@@ -20,10 +20,9 @@
  *
  *	SELECT count(*) FROM idempotency.idem_claim('t1', 'k') c, (VALUES (1)) v;
  *
- * Any function Citus distributes does this; the Custom Scan of claim_scan.c
- * plays no part (it is never planned for such a call: Citus's planner fails
- * first).  This hook runs before Citus's (our library comes after citus in
- * shared_preload_libraries, which Citus requires), and refuses with 0A000 a
+ * Any function Citus distributes does this.  This hook runs before Citus's
+ * (our library comes after citus in shared_preload_libraries, which Citus
+ * requires), and refuses with 0A000 a
  * query that calls one of the extension's functions that Citus delegates
  * when planning could leave it so: a SELECT with a subquery or a WITH query
  * and no table in its FROM or in the subqueries and WITH queries its FROM

@@ -10,23 +10,28 @@
  * duplicate (skip it, acknowledge it).  Unlike idem_claim, a duplicate that
  * arrives while the first delivery is still in flight waits for it: false if
  * it commits, true if it rolls back.  That is INSERT ... ON CONFLICT DO
- * NOTHING's behaviour, done with the same direct probe-and-insert as keys.c
- * (see tables.c) so that a mark costs one index probe and one insert.
+ * NOTHING's behaviour, and the single calls are that statement (and a
+ * SELECT to look), through kept plans: the direct path bought them nothing
+ * measurable (issue 29; doc/internals.md, "C where it pays").
  *
  * An event past its retention counts as not processed, before any purge:
  * marking it again renews the row.
  *
- * The batch forms take the ids a broker hands over in one poll and make
- * each id's mark (or look) exactly as the single call does, with the same
- * code, in one call: one round trip, the table opened once.  Each answers
- * with the ids it would have answered true for, in the array's order.  A
- * batch marks its ids in one canonical order, bytewise (the columns are
- * COLLATE "C"), whatever the array's: a batch that waits for another's mark
- * holds only marks of ids before it in that order, so two batches that
- * overlap can never wait for each other in a circle.
+ * The batch forms take the ids a broker hands over in one poll and answer
+ * for each id exactly as the single call does, in one call: one round
+ * trip.  Each answers with the ids it would have answered true for, in the
+ * array's order.  idem_is_processed_batch is one SELECT of them all;
+ * idem_mark_processed_batch marks them through the direct path (tables.c:
+ * a probe under a dirty snapshot and speculative insertion, the table
+ * opened once), which is where C pays: 1.4x to 2.2x the same batch as one
+ * INSERT ... SELECT ... ON CONFLICT DO NOTHING.  A batch marks its ids in
+ * one canonical order, bytewise (the columns are COLLATE "C"), whatever the
+ * array's: a batch that waits for another's mark holds only marks of ids
+ * before it in that order, so two batches that overlap can never wait for
+ * each other in a circle.
  *
  * Owns: idem_mark_processed, idem_is_processed and their batch forms.
- * May call: tables/tables.h, infra/ (argument checks, settings).
+ * May call: tables/tables.h, infra/ (argument checks, settings, run_as.h).
  *
  *-------------------------------------------------------------------------
  */
@@ -34,10 +39,13 @@
 
 #include "access/xact.h"
 #include "catalog/pg_type.h"
+#include "executor/spi.h"
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "storage/lmgr.h"
 #include "utils/array.h"
+#include "utils/builtins.h"
+#include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 #include "utils/tuplestore.h"
@@ -46,6 +54,7 @@
 #include "tables/tables.h"
 #include "infra/args.h"
 #include "infra/guc.h"
+#include "infra/run_as.h"
 
 PG_FUNCTION_INFO_V1(idem_mark_processed);
 PG_FUNCTION_INFO_V1(idem_is_processed);
@@ -160,20 +169,139 @@ mark_event(IdemRelation *rel, text *consumer, text *event_id,
 }
 
 /*
- * Has the consumer processed the event: a mark committed (or made by this
- * transaction) and within its retention at now?  A mark still in flight
- * elsewhere is not counted, since it may roll back.
+ * The statements of the single calls and of the batch look: one per call
+ * (two for a duplicate mark, whose retention may have passed), through
+ * plans kept for the backend's life, run as the table's owner with
+ * search_path pinned (infra/run_as.c), as the outbox's statements are: the
+ * caller needs EXECUTE on the function, not rights on the table.  INSERT
+ * ... ON CONFLICT DO NOTHING waits for a mark in flight and then counts it
+ * by its outcome.  Under READ COMMITTED each statement reads the latest
+ * committed state; under REPEATABLE READ or SERIALIZABLE, a duplicate
+ * committed after the snapshot fails with 40001, as the INSERT would.  %s
+ * is the table: the table itself, or its shard on this node where Citus
+ * distributes it (planned per call there).
  */
-static bool
-event_processed(IdemRelation *rel, text *consumer, text *event_id,
-				TimestampTz now)
+typedef enum EventStatement
 {
-	Datum		pkey[2] = {PointerGetDatum(consumer), PointerGetDatum(event_id)};
-	ProbeResult found;
+	EV_MARK,
+	EV_RENEW,
+	EV_LOOK,
+	EV_LOOK_BATCH,
+	EV_NUM_STATEMENTS
+} EventStatement;
 
-	idem_probe(rel, pkey, &found);
-	return found.outcome == PROBE_FOUND &&
-		!event_expired(found.tuple, RelationGetDescr(rel->heap), now);
+static const char *const event_sql[EV_NUM_STATEMENTS] = {
+	[EV_MARK] = "INSERT INTO %s (consumer, event_id, processed_at, expires_at)"
+	" VALUES ($1, $2, $3, $4) ON CONFLICT (consumer, event_id) DO NOTHING",
+	[EV_RENEW] = "UPDATE %s SET processed_at = $3, expires_at = $4"
+	" WHERE consumer = $1 AND event_id = $2 AND expires_at <= $3",
+	[EV_LOOK] = "SELECT 1 FROM %s"
+	" WHERE consumer = $1 AND event_id = $2 AND expires_at > $3",
+	[EV_LOOK_BATCH] = "SELECT event_id FROM %s"
+	" WHERE consumer = $1 AND event_id = ANY ($2) AND expires_at > $3",
+};
+
+static SPIPlanPtr event_plans[EV_NUM_STATEMENTS];
+
+/* Where the statements run (the table, or a shard), and as whom. */
+typedef struct EventSql
+{
+	IdemRunAs	run_as;
+	Oid			shard;
+	char	   *shard_name;
+} EventSql;
+
+static void
+event_sql_begin(EventSql *context, text *consumer, LOCKMODE lockmode,
+				const char *function_name)
+{
+	Oid			owner = idem_table_owner(IDEM_TABLE_EVENTS, consumer, lockmode,
+										 function_name, &context->shard);
+
+	context->shard_name = OidIsValid(context->shard) ?
+		quote_qualified_identifier(get_namespace_name(get_rel_namespace(context->shard)),
+								   get_rel_name(context->shard)) : NULL;
+	idem_run_as_begin(&context->run_as, owner, SECURITY_LOCAL_USERID_CHANGE);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+}
+
+static void
+event_sql_end(EventSql *context)
+{
+	SPI_finish();
+	idem_run_as_end(&context->run_as, true);
+}
+
+/* Run a statement with consumer, the id (or ids), now and the expiry. */
+static uint64
+event_sql_run(EventSql *context, EventStatement statement, text *consumer,
+			  Datum ids, TimestampTz now, TimestampTz expires_at)
+{
+	bool		batch = statement == EV_LOOK_BATCH;
+	Oid			types[4] = {TEXTOID, batch ? TEXTARRAYOID : TEXTOID,
+	TIMESTAMPTZOID, TIMESTAMPTZOID};
+	Datum		values[4] = {PointerGetDatum(consumer), ids,
+	TimestampTzGetDatum(now), TimestampTzGetDatum(expires_at)};
+	int			nargs = statement == EV_LOOK || statement == EV_LOOK_BATCH ? 3 : 4;
+	SPIPlanPtr	plan;
+	int			ret;
+
+	if (context->shard_name != NULL)
+		plan = SPI_prepare(psprintf(event_sql[statement], context->shard_name), nargs, types);
+	else
+	{
+		if (event_plans[statement] == NULL)
+		{
+			SPIPlanPtr	prepared = SPI_prepare(psprintf(event_sql[statement],
+														"idempotency.processed_events"),
+											   nargs, types);
+
+			if (prepared == NULL || SPI_keepplan(prepared) != 0)
+				elog(ERROR, "could not prepare event statement %d: %s",
+					 (int) statement, SPI_result_code_string(SPI_result));
+			event_plans[statement] = prepared;
+		}
+		plan = event_plans[statement];
+	}
+	if (plan == NULL)
+		elog(ERROR, "could not prepare event statement %d: %s",
+			 (int) statement, SPI_result_code_string(SPI_result));
+	ret = SPI_execute_plan(plan, values, NULL, false, 0);
+	if (ret < 0)
+		elog(ERROR, "event statement %d failed: %s",
+			 (int) statement, SPI_result_code_string(ret));
+	return SPI_processed;
+}
+
+static bool
+mark_event_sql(text *consumer, text *event_id, const Interval *retention)
+{
+	EventSql	context;
+	TimestampTz now = GetCurrentTimestamp();
+	TimestampTz expires_at = idem_timestamp_plus(now, retention);
+	bool		first_time;
+
+	event_sql_begin(&context, consumer, RowExclusiveLock, "idem_mark_processed()");
+	first_time = event_sql_run(&context, EV_MARK, consumer, PointerGetDatum(event_id),
+							   now, expires_at) > 0 ||
+		event_sql_run(&context, EV_RENEW, consumer, PointerGetDatum(event_id),
+					  now, expires_at) > 0;
+	event_sql_end(&context);
+	return first_time;
+}
+
+static bool
+event_processed_sql(text *consumer, text *event_id)
+{
+	EventSql	context;
+	bool		processed;
+
+	event_sql_begin(&context, consumer, AccessShareLock, "idem_is_processed()");
+	processed = event_sql_run(&context, EV_LOOK, consumer, PointerGetDatum(event_id),
+							  GetCurrentTimestamp(), 0) > 0;
+	event_sql_end(&context);
+	return processed;
 }
 
 /*
@@ -186,18 +314,9 @@ idem_mark_processed(PG_FUNCTION_ARGS)
 	text	   *event_id = idem_arg_identifier(fcinfo, 1, "event_id", 1);
 	Interval   *retention = idem_arg_duration(fcinfo, 2, "retention",
 											  (int64) idem_event_retention_s * 1000);
-	IdemRelation rel;
-	bool		assume_new = false;
-	MarkClock	clock = {false};
-	bool		first_time;
 
 	idem_require_writable("idem_mark_processed()");
-	idem_relation_open(&rel, IDEM_TABLE_EVENTS, RowExclusiveLock, consumer,
-					   "idem_mark_processed()");
-	first_time = mark_event(&rel, consumer, event_id, retention, &assume_new, &clock);
-	idem_relation_close(&rel);
-
-	PG_RETURN_BOOL(first_time);
+	PG_RETURN_BOOL(mark_event_sql(consumer, event_id, retention));
 }
 
 /*
@@ -210,15 +329,8 @@ idem_is_processed(PG_FUNCTION_ARGS)
 {
 	text	   *consumer = idem_arg_identifier(fcinfo, 0, "consumer", 1);
 	text	   *event_id = idem_arg_identifier(fcinfo, 1, "event_id", 1);
-	IdemRelation rel;
-	bool		processed;
 
-	idem_relation_open(&rel, IDEM_TABLE_EVENTS, AccessShareLock, consumer,
-					   "idem_is_processed()");
-	processed = event_processed(&rel, consumer, event_id, GetCurrentTimestamp());
-	idem_relation_close(&rel);
-
-	PG_RETURN_BOOL(processed);
+	PG_RETURN_BOOL(event_processed_sql(consumer, event_id));
 }
 
 /*
@@ -317,12 +429,101 @@ event_batch_read(FunctionCallInfo fcinfo, int argno, EventBatch *batch)
 	batch->ndistinct = n;
 }
 
+
+/* Bytewise, as compare_event_ids, for the search of a returned id. */
+static int
+compare_id_to_position(const void *key, const void *member, void *arg)
+{
+	const Datum *ids = (const Datum *) arg;
+	text	   *ta = (text *) key;
+	text	   *tb = DatumGetTextPP(ids[*(const int *) member]);
+	int			la = VARSIZE_ANY_EXHDR(ta);
+	int			lb = VARSIZE_ANY_EXHDR(tb);
+	int			cmp = memcmp(VARDATA_ANY(ta), VARDATA_ANY(tb), Min(la, lb));
+
+	if (cmp != 0)
+		return cmp;
+	return la < lb ? -1 : la > lb ? 1 : 0;
+}
+
+/* Set the answer of each id in the first column of SPI_tuptable's rows. */
+static void
+event_batch_take_answers(EventBatch *batch, uint64 nrows)
+{
+	for (uint64 r = 0; r < nrows; r++)
+	{
+		bool		isnull;
+		Datum		id = SPI_getbinval(SPI_tuptable->vals[r], SPI_tuptable->tupdesc, 1,
+									   &isnull);
+		const int  *found;
+
+		if (isnull)
+			continue;
+		found = bsearch_arg(DatumGetTextPP(id), batch->order, batch->ndistinct,
+							sizeof(int), compare_id_to_position, batch->ids);
+		if (found != NULL)
+			batch->answer[*found] = true;
+	}
+}
+
+/* The batch look: the ids among the batch's that the consumer has processed. */
+static void
+event_batch_look(EventBatch *batch, text *consumer)
+{
+	EventSql	context;
+	Datum	   *sorted = palloc(sizeof(Datum) * batch->ndistinct);
+	Datum		ids;
+
+	for (int i = 0; i < batch->ndistinct; i++)
+		sorted[i] = batch->ids[batch->order[i]];
+	ids = PointerGetDatum(construct_array(sorted, batch->ndistinct, TEXTOID, -1, false,
+										  TYPALIGN_INT));
+	event_sql_begin(&context, consumer, AccessShareLock, "idem_is_processed_batch()");
+	event_batch_take_answers(batch, event_sql_run(&context, EV_LOOK_BATCH, consumer, ids,
+												  GetCurrentTimestamp(), 0));
+	event_sql_end(&context);
+}
+
 /*
- * Answer for each distinct id of the batch, in its bytewise order, by
- * marking it (mark) or looking it up, with the table opened once; then
- * return the ids answered true, in the array's order, as the function's set
- * of text.  Each id's work runs in a context reset after it, so that a long
- * batch does not keep every probe's copies until it ends.
+ * Mark each distinct id of the batch, in its bytewise order, with the
+ * table opened once.  Each id's work runs in a context reset after it, so
+ * that a long batch does not keep every probe's copies until it ends.
+ */
+static void
+event_batch_mark(EventBatch *batch, text *consumer, const Interval *retention)
+{
+	IdemRelation rel;
+	MemoryContext per_event = AllocSetContextCreate(CurrentMemoryContext,
+													"idempotency batch event",
+													ALLOCSET_SMALL_SIZES);
+	bool		assume_new = true;
+	MarkClock	clock = {false};
+
+	idem_relation_open(&rel, IDEM_TABLE_EVENTS, RowExclusiveLock, consumer,
+					   "idem_mark_processed_batch()");
+	idem_batch_begin(&rel);
+	for (int i = 0; i < batch->ndistinct; i++)
+	{
+		int			pos = batch->order[i];
+		text	   *event_id = DatumGetTextPP(batch->ids[pos]);
+		MemoryContext oldcontext;
+
+		CHECK_FOR_INTERRUPTS();
+		oldcontext = MemoryContextSwitchTo(per_event);
+		batch->answer[pos] = mark_event(&rel, consumer, event_id, retention,
+										&assume_new, &clock);
+		MemoryContextSwitchTo(oldcontext);
+		MemoryContextReset(per_event);
+	}
+	idem_batch_end(&rel);
+	idem_relation_close(&rel);
+	MemoryContextDelete(per_event);
+}
+
+/*
+ * Answer for each distinct id of the batch by marking it (mark) or looking
+ * it up; then return the ids answered true, in the array's order, as the
+ * function's set of text.
  */
 static void
 event_batch_answer(FunctionCallInfo fcinfo, EventBatch *batch, text *consumer,
@@ -333,40 +534,10 @@ event_batch_answer(FunctionCallInfo fcinfo, EventBatch *batch, text *consumer,
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 	rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 
-	if (batch->ndistinct > 0)
-	{
-		IdemRelation rel;
-		MemoryContext per_event = AllocSetContextCreate(CurrentMemoryContext,
-														"idempotency batch event",
-														ALLOCSET_SMALL_SIZES);
-		TimestampTz now = GetCurrentTimestamp();
-		bool		assume_new = true;
-		MarkClock	clock = {false};
-
-		idem_relation_open(&rel, IDEM_TABLE_EVENTS,
-						   mark ? RowExclusiveLock : AccessShareLock, consumer,
-						   mark ? "idem_mark_processed_batch()" : "idem_is_processed_batch()");
-		if (mark)
-			idem_batch_begin(&rel);
-		for (int i = 0; i < batch->ndistinct; i++)
-		{
-			int			pos = batch->order[i];
-			text	   *event_id = DatumGetTextPP(batch->ids[pos]);
-			MemoryContext oldcontext;
-
-			CHECK_FOR_INTERRUPTS();
-			oldcontext = MemoryContextSwitchTo(per_event);
-			batch->answer[pos] = mark ?
-				mark_event(&rel, consumer, event_id, retention, &assume_new, &clock) :
-				event_processed(&rel, consumer, event_id, now);
-			MemoryContextSwitchTo(oldcontext);
-			MemoryContextReset(per_event);
-		}
-		if (mark)
-			idem_batch_end(&rel);
-		idem_relation_close(&rel);
-		MemoryContextDelete(per_event);
-	}
+	if (batch->ndistinct > 0 && mark)
+		event_batch_mark(batch, consumer, retention);
+	else if (batch->ndistinct > 0)
+		event_batch_look(batch, consumer);
 
 	for (int i = 0; i < batch->nids; i++)
 	{

@@ -57,7 +57,6 @@
 #include "utils/timestamp.h"
 #include "utils/typcache.h"
 
-#include "keys/keys.h"
 #include "tables/tables.h"
 #include "infra/args.h"
 #include "infra/claim_wait.h"
@@ -69,6 +68,17 @@ PG_FUNCTION_INFO_V1(idem_complete);
 PG_FUNCTION_INFO_V1(idem_release);
 PG_FUNCTION_INFO_V1(idem_checkpoint);
 PG_FUNCTION_INFO_V1(idem_extend_lease);
+
+/*
+ * The columns of idempotency.claim_result: 7 at version 1.0 of the SQL
+ * objects, 9 from 1.1 on (lease_expires_at and expires_at appended).  One
+ * library serves databases at either version, so the result is built for
+ * the type as the database declares it.  idem_claim's arguments likewise:
+ * five in 1.0, six from 1.1, whose last is wait.
+ */
+#define IDEM_CLAIM_RESULT_NATTS 9
+#define IDEM_CLAIM_RESULT_NATTS_1_0 7
+#define IDEM_CLAIM_WAIT_ARGNO	5
 
 /* Columns of idempotency.claim_result. */
 enum
@@ -91,7 +101,7 @@ StaticAssertDecl(RESULT_EXPIRES_AT + 1 == IDEM_CLAIM_RESULT_NATTS,
 				 "claim_result's columns");
 
 /* claim_result's column types, in order */
-const Oid	idem_claim_result_types[IDEM_CLAIM_RESULT_NATTS] = {
+static const Oid idem_claim_result_types[IDEM_CLAIM_RESULT_NATTS] = {
 	TEXTOID, INT4OID, TEXTOID, JSONBOID, INT4OID, TEXTOID, TIMESTAMPTZOID,
 	TIMESTAMPTZOID, TIMESTAMPTZOID
 };
@@ -146,7 +156,7 @@ text_for_message(text *t)
  * declares it, 9 as 1.1 does, and -1 for anything else (a type altered by
  * hand, which this code does not know how to fill).
  */
-int
+static int
 idem_claim_result_natts(TupleDesc desc)
 {
 	if (desc->natts != IDEM_CLAIM_RESULT_NATTS_1_0 &&
@@ -413,7 +423,7 @@ holder_lease_end(const KeyRow *row, const ProbeResult *found)
  * memory context.  The arguments are fcinfo's (wait only where the SQL
  * function has it: 1.0's has five arguments); its flinfo is not used.
  */
-void
+static void
 idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 {
 	text	   *scope = idem_arg_identifier(fcinfo, 0, "scope", 0);
@@ -532,10 +542,8 @@ idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 /*
  * idem_claim(scope, key, fingerprint, ttl, lease [, wait]) -> claim_result
  *
- * Called in FROM, as it usually is, the planner puts a direct scan in the
- * place of this function (claim_scan.c); everywhere else, this runs.  The
- * result has the columns of the database's claim_result: 7 at 1.0, 9 from
- * 1.1 on (heap_form_tuple reads as many of ours as the type has).
+ * The result has the columns of the database's claim_result: 7 at 1.0, 9
+ * from 1.1 on (heap_form_tuple reads as many of ours as the type has).
  */
 Datum
 idem_claim(PG_FUNCTION_ARGS)

@@ -28,7 +28,7 @@
  * Owns: the SQL functions idem_outbox_*, the per-key enqueue lock, and
  *	  this backend's knowledge of which topics are routed.
  * May call: outbox/outbox_sql.h and outbox/outbox_ack.h, tables/ (the
- *	  outbox's owner, the direct insert), infra/ (argument
+ *	  shard of a topic and the ids of an enqueue), infra/ (argument
  *	  checks, settings, the worker's wake-up at commit).
  *
  *-------------------------------------------------------------------------
@@ -38,6 +38,7 @@
 #include <ctype.h>
 
 #include "access/htup_details.h"
+#include "access/table.h"
 #include "access/tupconvert.h"
 #include "access/xact.h"
 #include "catalog/namespace.h"
@@ -91,9 +92,6 @@ PG_FUNCTION_INFO_V1(idem_outbox_on_shard);
  * (objsubid).  A hash collision only makes two keys share a lock.
  */
 #define OUTBOX_KEY_LOCK_CLASS	0x4944
-
-/* How many rows enqueue_batch writes to the heap in one go, as COPY does. */
-#define ENQUEUE_CHUNK			1000
 
 /* The longest NOTIFY channel or logical message prefix we accept. */
 #define ROUTE_NAME_MAX_BYTES	(NAMEDATALEN - 1)
@@ -232,31 +230,63 @@ check_headers(Jsonb *headers)
 }
 
 /*
- * A new pending row, with the next id, into values and nulls; returns the
- * id.  The caller holds its key's lock.
+ * The enqueue's statement, STMT_ENQUEUE or STMT_ENQUEUE_BATCH, through a
+ * kept plan (outbox_sql.c), on the outbox or, where Citus distributes it,
+ * the topic's shard on this node.  The rows' ids are taken here, one by
+ * one from the sequence (idem_outbox_next_id: on Citus, above the topic's
+ * last id in the shard), after the keys' locks: see the top of this file.
+ * A direct insert into the heap and its indexes was measured against this
+ * and bought too little to keep (issue 29; doc/internals.md, "C where it
+ * pays").
  */
-static int64
-make_pending_row(Datum *values, bool *nulls, text *topic, text *key, Datum payload,
-				 Jsonb *headers, TimestampTz now, int64 floor)
+static void
+enqueue_sql_begin(OutboxSqlContext *context, text *topic, const char *function_name,
+				  uint64 *hashes, int nhashes, int64 *floor)
 {
-	int64		id = idem_outbox_next_id(floor);
+	Oid			shard = idem_table_shard_for(IDEM_TABLE_OUTBOX, topic, RowExclusiveLock,
+											 function_name);
 
-	memset(nulls, false, sizeof(bool) * Natts_outbox);
-	values[Anum_outbox_id - 1] = Int64GetDatum(id);
-	values[Anum_outbox_topic - 1] = PointerGetDatum(topic);
-	values[Anum_outbox_key - 1] = PointerGetDatum(key);
-	nulls[Anum_outbox_key - 1] = key == NULL;
-	values[Anum_outbox_payload - 1] = payload;
-	values[Anum_outbox_headers - 1] = PointerGetDatum(headers);
-	nulls[Anum_outbox_headers - 1] = headers == NULL;
-	values[Anum_outbox_created_at - 1] = TimestampTzGetDatum(now);
-	values[Anum_outbox_state - 1] = CStringGetTextDatum("pending");
-	values[Anum_outbox_attempts - 1] = Int32GetDatum(0);
-	values[Anum_outbox_available_at - 1] = TimestampTzGetDatum(now);
-	nulls[Anum_outbox_last_error - 1] = true;
-	nulls[Anum_outbox_published_at - 1] = true;
-	/* from 1.2 on; a table still at 1.1 takes the columns before it */
-	values[Anum_outbox_failures - 1] = Int32GetDatum(0);
+	for (int i = 0; i < nhashes; i++)
+		if (i == 0 || hashes[i] != hashes[i - 1])
+			lock_outbox_key(hashes[i]);
+	*floor = PG_INT64_MIN;
+	if (OidIsValid(shard))
+	{
+		Relation	heap = table_open(shard, NoLock);
+
+		*floor = idem_outbox_last_id(heap, topic);
+		table_close(heap, NoLock);
+	}
+	if (!outbox_sql_begin_on(context, shard))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("the outbox's shard for this topic moved away from this node"),
+				 errhint("Call %s again.", function_name)));
+}
+
+static int64
+enqueue_sql(text *topic, text *key, Datum payload, Jsonb *headers)
+{
+	OutboxSqlContext context;
+	uint64		hash = key != NULL ? outbox_key_hash(topic, key) : 0;
+	int64		floor;
+	int64		id;
+	Datum		values[6];
+	char		nulls[7] = "      ";
+
+	enqueue_sql_begin(&context, topic, "idem_outbox_enqueue()", &hash, key != NULL ? 1 : 0,
+					  &floor);
+	id = idem_outbox_next_id(floor);
+	values[0] = Int64GetDatum(id);
+	values[1] = PointerGetDatum(topic);
+	values[2] = PointerGetDatum(key);
+	nulls[2] = key == NULL ? 'n' : ' ';
+	values[3] = payload;
+	values[4] = PointerGetDatum(headers);
+	nulls[4] = headers == NULL ? 'n' : ' ';
+	values[5] = TimestampTzGetDatum(GetCurrentTimestamp());
+	(void) outbox_sql_run(STMT_ENQUEUE, values, nulls);
+	outbox_sql_end(&context);
 	return id;
 }
 
@@ -269,9 +299,6 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 	text	   *topic = idem_arg_identifier(fcinfo, 0, "topic", 1);
 	text	   *key = PG_ARGISNULL(2) ? NULL : idem_arg_identifier(fcinfo, 2, "key", 1);
 	Jsonb	   *headers = PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3);
-	IdemRelation rel;
-	Datum		values[Natts_outbox];
-	bool		nulls[Natts_outbox];
 	int64		id;
 
 	check_topic(topic);
@@ -282,20 +309,7 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 	check_headers(headers);
 
 	idem_require_writable("idem_outbox_enqueue()");
-
-	/*
-	 * A new row is written straight into the table and its indexes, as the
-	 * key functions write theirs (see tables.c): no executor, no SPI.
-	 */
-	idem_relation_open(&rel, IDEM_TABLE_OUTBOX, RowExclusiveLock, topic,
-					   "idem_outbox_enqueue()");
-	/* before the row gets its id: see the top of this file */
-	if (key != NULL)
-		lock_outbox_key(outbox_key_hash(topic, key));
-	id = make_pending_row(values, nulls, topic, key, PG_GETARG_DATUM(1), headers,
-						  GetCurrentTimestamp(), idem_outbox_last_id(&rel, topic));
-	idem_insert(&rel, values, nulls);
-	idem_relation_close(&rel);
+	id = enqueue_sql(topic, key, PG_GETARG_DATUM(1), headers);
 	if (topic_is_routed(topic))
 		idem_wake_worker_at_commit();
 
@@ -366,11 +380,13 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 	int			ignored;
 	uint64	   *hashes;
 	int			nhashes = 0;
-	IdemRelation rel;
+	OutboxSqlContext context;
 	int64		floor;
-	TimestampTz now = GetCurrentTimestamp();
-	Datum	  **row_values;
-	bool	  **row_nulls;
+	Datum	   *ids;
+	Datum		values[6];
+	char		nulls[7] = "      ";
+	int			dims[1];
+	int			lbs[1] = {1};
 
 	check_topic(topic);
 	if (PG_ARGISNULL(1))
@@ -421,45 +437,38 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 	if (count == 0)
 		return (Datum) 0;
+	ids = palloc(sizeof(Datum) * count);
+	dims[0] = count;
 
-	idem_relation_open(&rel, IDEM_TABLE_OUTBOX, RowExclusiveLock, topic,
-					   "idem_outbox_enqueue_batch()");
 	qsort(hashes, nhashes, sizeof(uint64), compare_hashes);
-	for (int i = 0; i < nhashes; i++)
-		if (i == 0 || hashes[i] != hashes[i - 1])
-			lock_outbox_key(hashes[i]);
-	/* the rows, ENQUEUE_CHUNK at a time, each chunk's heap rows in one go */
-	row_values = palloc(sizeof(Datum *) * Min(count, ENQUEUE_CHUNK));
-	row_nulls = palloc(sizeof(bool *) * Min(count, ENQUEUE_CHUNK));
-	for (int i = 0; i < Min(count, ENQUEUE_CHUNK); i++)
-	{
-		row_values[i] = palloc(sizeof(Datum) * Natts_outbox);
-		row_nulls[i] = palloc(sizeof(bool) * Natts_outbox);
-	}
+	enqueue_sql_begin(&context, topic, "idem_outbox_enqueue_batch()", hashes, nhashes,
+					  &floor);
 	/* the batch's ids grow from the first, which must be above the topic's last */
-	floor = idem_outbox_last_id(&rel, topic);
-	for (int first = 0; first < count; first += ENQUEUE_CHUNK)
+	for (int i = 0; i < count; i++)
 	{
-		int			nrows = Min(count - first, ENQUEUE_CHUNK);
+		bool		isnull = false;
 
-		for (int r = 0; r < nrows; r++)
-		{
-			int			i = first + r;
-			text	   *key = keys != NULL && !key_nulls[i] ? DatumGetTextPP(keys[i]) : NULL;
-			Jsonb	   *header = headers != NULL && !header_nulls[i] ?
-				DatumGetJsonbP(headers[i]) : NULL;
-			Datum		id = Int64GetDatum(make_pending_row(row_values[r], row_nulls[r], topic,
-															key, payloads[i], header, now,
-															floor));
-			bool		isnull = false;
-
-			/* the next rows' ids come after this one's: no floor to look at */
-			floor = PG_INT64_MIN;
-			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, &id, &isnull);
-		}
-		idem_insert_many(&rel, row_values, row_nulls, nrows);
+		ids[i] = Int64GetDatum(idem_outbox_next_id(i == 0 ? floor : PG_INT64_MIN));
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, &ids[i], &isnull);
 	}
-	idem_relation_close(&rel);
+	values[0] = PointerGetDatum(construct_array(ids, count, INT8OID, 8, FLOAT8PASSBYVAL,
+												TYPALIGN_DOUBLE));
+	values[1] = PointerGetDatum(topic);
+	if (keys != NULL)
+		values[2] = PointerGetDatum(construct_md_array(keys, key_nulls, 1, dims, lbs,
+													   TEXTOID, -1, false, TYPALIGN_INT));
+	else
+		nulls[2] = 'n';
+	values[3] = PointerGetDatum(construct_array(payloads, count, JSONBOID, -1, false,
+												TYPALIGN_INT));
+	if (headers != NULL)
+		values[4] = PointerGetDatum(construct_md_array(headers, header_nulls, 1, dims, lbs,
+													   JSONBOID, -1, false, TYPALIGN_INT));
+	else
+		nulls[4] = 'n';
+	values[5] = TimestampTzGetDatum(GetCurrentTimestamp());
+	(void) outbox_sql_run(STMT_ENQUEUE_BATCH, values, nulls);
+	outbox_sql_end(&context);
 	if (topic_is_routed(topic))
 		idem_wake_worker_at_commit();
 

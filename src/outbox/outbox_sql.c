@@ -530,6 +530,23 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		"DELETE FROM idempotency.outbox WHERE id = $1 AND state = 'dead'",
 		1, {INT8OID}
 	},
+	/*
+	 * A new pending row, its id given (idem_outbox_next_id), and the rows of
+	 * a batch from arrays of equal length; failures takes its default (1.2).
+	 */
+	[STMT_ENQUEUE] = {
+		"INSERT INTO idempotency.outbox (id, topic, key, payload, headers, created_at,"
+		" state, attempts, available_at)"
+		" VALUES ($1, $2, $3, $4, $5, $6, 'pending', 0, $6)",
+		6, {INT8OID, TEXTOID, TEXTOID, JSONBOID, JSONBOID, TIMESTAMPTZOID}
+	},
+	[STMT_ENQUEUE_BATCH] = {
+		"INSERT INTO idempotency.outbox (id, topic, key, payload, headers, created_at,"
+		" state, attempts, available_at)"
+		" SELECT r.id, $2, r.key, r.payload, r.headers, $6, 'pending', 0, $6"
+		" FROM unnest($1, $3, $4, $5) AS r (id, key, payload, headers)",
+		6, {INT8ARRAYOID, TEXTOID, TEXTARRAYOID, JSONBARRAYOID, JSONBARRAYOID, TIMESTAMPTZOID}
+	},
 	[STMT_ROUTE] = {
 		"INSERT INTO idempotency.outbox_routes (topic, target, destination, run_as)"
 		" VALUES ($1, $2, $3, $4)"

@@ -182,8 +182,7 @@ check_alter_table(AlterTableStmt *stmt)
 /*
  * ALTER FUNCTION on one of the extension's functions: only its cost, rows
  * estimate, settings and strictness (a STRICT function is not called with
- * a NULL argument: the executor answers NULL, and idem_claim's direct scan
- * steps aside, see claim_scan.c).  Made PARALLEL SAFE, SECURITY DEFINER,
+ * a NULL argument: the executor answers NULL).  Made PARALLEL SAFE, SECURITY DEFINER,
  * LEAKPROOF or of another volatility, a function would be called where its
  * code cannot run, or run with rights it must not have.
  */

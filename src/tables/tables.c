@@ -27,8 +27,10 @@
  *	  maintenance.
  * May call: tables/table_check.h (on first open), infra/subxact.h (the
  *	  outbox sequence's move), compat.h.  Called by
- *	  keys/keys.c, events/events.c, outbox/outbox_sql.c (the owner),
- *	  outbox/outbox_ack.c (the outbox) and worker/purge.c (the walk).
+ *	  keys/keys.c, events/events.c (the batch mark; the owner for the rest),
+ *	  outbox/outbox.c (the shard and the ids of an enqueue),
+ *	  outbox/outbox_sql.c (the owner), outbox/outbox_ack.c (the outbox) and
+ *	  worker/purge.c (the walk).
  *
  *-------------------------------------------------------------------------
  */
@@ -134,7 +136,7 @@ static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
 	2, first_two_columns, two_text_columns_eq, keys_checks, Anum_keys_expires_at, 0},
 	[IDEM_TABLE_EVENTS] = {"processed_events", Natts_events, events_columns,
 	2, first_two_columns, two_text_columns_eq, no_checks, Anum_events_expires_at, 0},
-	/* only enqueued here; the rest of the outbox's life is SQL (outbox.c) */
+	/* the outbox's life is SQL (outbox_sql.c), but for the ack's order check */
 	[IDEM_TABLE_OUTBOX] = {"outbox", Natts_outbox, outbox_columns,
 	2, id_and_topic, id_and_topic_eq, outbox_checks, InvalidAttrNumber,
 	Natts_outbox - Natts_outbox_1_1, topic_and_id},
@@ -374,6 +376,34 @@ idem_outbox_owner(int *natts)
 
 	*natts = RelationGetDescr(heap)->natts;
 
+	table_close(heap, NoLock);
+	return owner;
+}
+
+/*
+ * For the statements that reach one of our tables through SPI: the role
+ * that owns it (they run as that role, see infra/run_as.c), and in *shard
+ * where the rows whose distribution value is value are: InvalidOid for the
+ * table itself, or, where Citus distributes it, the shard that holds value
+ * on this node (an ERROR naming function_name otherwise).  Locked in
+ * lockmode until the end of the transaction.
+ */
+Oid
+idem_table_owner(IdemTable table, text *value, LOCKMODE lockmode,
+				 const char *function_name, Oid *shard)
+{
+	char		partmethod;
+	Relation	heap = open_table(table, lockmode, &partmethod);
+	Oid			owner = heap->rd_rel->relowner;
+
+	*shard = InvalidOid;
+	if (partmethod == IDEM_CITUS_HASH)
+	{
+		Relation	rel = open_shard(table, heap, value, lockmode, function_name);
+
+		*shard = RelationGetRelid(rel);
+		table_close(rel, NoLock);
+	}
 	table_close(heap, NoLock);
 	return owner;
 }
@@ -902,44 +932,6 @@ idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls)
 }
 
 /*
- * Insert a row whose primary key cannot be taken (a fresh sequence value is
- * part of it), as a plain INSERT would, unique check included.
- */
-void
-idem_insert(IdemRelation *rel, Datum *values, bool *nulls)
-{
-	TupleTableSlot *slot = make_slot(rel, values, nulls);
-
-	table_tuple_insert(rel->heap, slot, GetCurrentCommandId(true), 0, NULL);
-	(void) insert_index_entries(rel, slot, UNIQUE_CHECK_YES, false, false);
-	ExecDropSingleTupleTableSlot(slot);
-	CommandCounterIncrement();
-}
-
-/*
- * Insert rows whose primary keys cannot be taken (see idem_insert), as COPY
- * does: the heap's rows a page at a time (one WAL record per page rather
- * than per row), then each row's index entries, and one
- * CommandCounterIncrement for them all.
- */
-void
-idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls, int nrows)
-{
-	TupleTableSlot **slots = palloc(sizeof(TupleTableSlot *) * Max(nrows, 1));
-
-	for (int i = 0; i < nrows; i++)
-		slots[i] = make_slot(rel, values[i], nulls[i]);
-	table_multi_insert(rel->heap, slots, nrows, GetCurrentCommandId(true), 0, NULL);
-	for (int i = 0; i < nrows; i++)
-	{
-		(void) insert_index_entries(rel, slots[i], UNIQUE_CHECK_YES, false, false);
-		ExecDropSingleTupleTableSlot(slots[i]);
-	}
-	pfree(slots);
-	CommandCounterIncrement();
-}
-
-/*
  * Move the sequence past target, for idem_outbox_next_id.  setval is not
  * transactional, and safe only while no other transaction can call nextval
  * (it would move the sequence back below values handed out meanwhile):
@@ -1079,7 +1071,7 @@ idem_outbox_next_id(int64 floor)
  * PG_INT64_MIN if there is none, and on one node.
  */
 int64
-idem_outbox_last_id(IdemRelation *rel, text *topic)
+idem_outbox_last_id(Relation heap, text *topic)
 {
 	List	   *indexes;
 	ListCell   *lc;
@@ -1087,7 +1079,7 @@ idem_outbox_last_id(IdemRelation *rel, text *topic)
 
 	if (cached_partmethod[IDEM_TABLE_OUTBOX] != IDEM_CITUS_HASH)
 		return PG_INT64_MIN;
-	indexes = RelationGetIndexList(rel->heap);
+	indexes = RelationGetIndexList(heap);
 
 	foreach(lc, indexes)
 	{
@@ -1105,8 +1097,8 @@ idem_outbox_last_id(IdemRelation *rel, text *topic)
 		}
 		ScanKeyInit(&key, 1, BTEqualStrategyNumber, F_TEXTEQ, PointerGetDatum(topic));
 		key.sk_collation = C_COLLATION_OID;
-		slot = table_slot_create(rel->heap, NULL);
-		scan = compat_index_beginscan(rel->heap, index, GetLatestSnapshot(), 1, 0);
+		slot = table_slot_create(heap, NULL);
+		scan = compat_index_beginscan(heap, index, GetLatestSnapshot(), 1, 0);
 		index_rescan(scan, &key, 1, NULL, 0);
 		if (index_getnext_slot(scan, BackwardScanDirection, slot))
 		{

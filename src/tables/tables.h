@@ -143,6 +143,8 @@ typedef struct ProbeResult
 
 extern Relation idem_outbox_open(LOCKMODE lockmode);
 extern Oid	idem_outbox_owner(int *natts);
+extern Oid	idem_table_owner(IdemTable table, text *value, LOCKMODE lockmode,
+							 const char *function_name, Oid *shard);
 extern const ExpectedTable *idem_table_def(IdemTable table);
 extern bool idem_table_distributed(IdemTable table);
 extern Oid	idem_table_shard_for(IdemTable table, text *value, LOCKMODE lockmode,
@@ -163,11 +165,8 @@ extern bool idem_row_visible_to_snapshot(IdemRelation *rel,
 extern void idem_batch_begin(IdemRelation *rel);
 extern void idem_batch_end(IdemRelation *rel);
 extern bool idem_insert_unique(IdemRelation *rel, Datum *values, bool *nulls);
-extern void idem_insert(IdemRelation *rel, Datum *values, bool *nulls);
-extern void idem_insert_many(IdemRelation *rel, Datum **values, bool **nulls,
-							 int nrows);
 extern int64 idem_outbox_next_id(int64 floor);
-extern int64 idem_outbox_last_id(IdemRelation *rel, text *topic);
+extern int64 idem_outbox_last_id(Relation heap, text *topic);
 extern TM_Result idem_update(IdemRelation *rel, ItemPointer tid,
 							 Datum *values, bool *nulls, bool wait);
 extern TM_Result idem_delete(IdemRelation *rel, ItemPointer tid, bool wait);
