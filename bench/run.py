@@ -63,6 +63,13 @@ WAITERS = int(os.environ.get("BENCH_WAITERS", "1000"))
 # several times over, past what shared_buffers holds beside the reference.
 PAIRS = [
     ("replay_vs_pk_select", "replay.sql", "pk_select.sql", 0.90),
+    # issue 29 item 2: the keys' direct path (ours) against the same calls
+    # through kept SPI plans (idempotency.keys_spi, the reference), run only
+    # when BENCH_PAIRS names them
+    ("replay_direct_vs_spi", "replay.sql", "replay.sql", 1.20,
+     {"ref_options": "-c idempotency.keys_spi=on", "only_named": True}),
+    ("claim_complete_direct_vs_spi", "claim_complete.sql", "claim_complete.sql", 1.20,
+     {"ref_options": "-c idempotency.keys_spi=on", "only_named": True}),
     ("claim_complete_vs_floor", "claim_complete.sql", "floor.sql", 0.90),
     ("claim_complete_vs_plpgsql", "claim_complete.sql", "plpgsql.sql", 1.30),
     ("mark_processed_vs_insert", "mark_processed.sql", "insert_events.sql", 0.95),
@@ -289,7 +296,8 @@ def load():
         return " ".join(loadavg.read().split()[:3])
 
 
-def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
+def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, ref_options=None,
+            only_named=False, **kwargs):
     """Rounds of ours and the reference, alternating which goes first; each
     run starts from vacuumed tables and a checkpoint.  Returns the median
     tps and latency of each side, each round's ratio, and the ratio: the
@@ -307,7 +315,10 @@ def compare(cluster, ours, reference, seconds=SECONDS, rounds=ROUNDS, **kwargs):
             cluster.psql(f"VACUUM (ANALYZE) {', '.join(PAIR_TABLES)}")
             cluster.psql("CHECKPOINT")
             before = cpu_times()
-            results[side].append(cluster.pgbench(script, seconds, **kwargs))
+            side_kwargs = dict(kwargs)
+            if side == "ref" and ref_options:
+                side_kwargs["options"] = ref_options
+            results[side].append(cluster.pgbench(script, seconds, **side_kwargs))
             steal[side].append(steal_share(before, cpu_times()))
     median = {side: (statistics.median(t for t, _ in runs),
                      statistics.median(l for _, l in runs))
@@ -1018,6 +1029,9 @@ def main():
         if os.environ.get("BENCH_PAIRS"):
             wanted = os.environ["BENCH_PAIRS"].split(",")
             PAIRS[:] = [pair for pair in PAIRS if pair[0] in wanted]
+        else:
+            PAIRS[:] = [pair for pair in PAIRS
+                        if not (len(pair) > 4 and pair[4].get("only_named"))]
         pair_tables_autovacuum(cluster, False)
         header = f"{'workload':28} {'ours tps':>10} {'lat ms':>7} {'ref tps':>10} {'lat ms':>7} {'ratio':>6} {'bar':>5}"
         print(header)

@@ -47,6 +47,7 @@ int			idem_max_databases = 32;
 int			idem_wait_slots = -1;
 int			idem_max_response_bytes = 1024 * 1024;
 int			idem_max_wait_ms = 60 * 1000;
+bool		idem_keys_spi = false;
 
 static char *release_statuses_string = NULL;
 
@@ -194,6 +195,16 @@ idem_interval_from_ms(int64 ms)
 void
 idem_define_gucs(void)
 {
+	/* temporary: issue 29 item 2's measurement of the keys' SPI path */
+	DefineCustomBoolVariable("idempotency.keys_spi",
+							 "Runs the key functions through SPI rather than the direct path.",
+							 "Temporary, for make bench's direct-vs-SPI pairs.",
+							 &idem_keys_spi,
+							 false,
+							 PGC_USERSET,
+							 GUC_NO_SHOW_ALL | GUC_NOT_IN_SAMPLE,
+							 NULL, NULL, NULL);
+
 	DefineCustomIntVariable("idempotency.key_ttl",
 							"How long a completed response is kept.",
 							"Counted from completion.  Used when idem_claim is "

@@ -52,6 +52,8 @@ extern int	idem_max_response_bytes;
 
 /* idempotency.max_wait, in milliseconds: the largest wait idem_claim takes */
 extern int	idem_max_wait_ms;
+/* temporary: the keys' SPI path (issue 29 item 2's measurement) */
+extern bool idem_keys_spi;
 
 extern void idem_define_gucs(void);
 

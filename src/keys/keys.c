@@ -46,14 +46,21 @@
 #include "access/detoast.h"
 #include "access/htup_details.h"
 #include "access/xact.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_class.h"
 #include "catalog/pg_type.h"
+#include "common/hashfn.h"
 #include "common/int.h"
+#include "executor/spi.h"
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "storage/lmgr.h"
+#include "storage/lock.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/jsonb.h"
+#include "utils/lsyscache.h"
+#include "utils/syscache.h"
 #include "utils/timestamp.h"
 #include "utils/typcache.h"
 
@@ -62,6 +69,7 @@
 #include "infra/args.h"
 #include "infra/claim_wait.h"
 #include "infra/guc.h"
+#include "infra/run_as.h"
 #include "infra/shmem.h"
 
 PG_FUNCTION_INFO_V1(idem_claim);
@@ -406,6 +414,10 @@ holder_lease_end(const KeyRow *row, const ProbeResult *found)
 	return DatumGetTimestampTz(KEY_VALUE(row, Anum_keys_lease_expires_at));
 }
 
+static void claim_columns_spi(FunctionCallInfo fcinfo, text *scope, text *key,
+							  text *fingerprint, Interval *ttl, Interval *lease,
+							  Datum *values, bool *nulls);
+
 /*
  * What idem_claim(scope, key, fingerprint, ttl, lease[, wait]) does, its
  * answer put in the IDEM_CLAIM_RESULT_NATTS columns of claim_result
@@ -425,6 +437,11 @@ idem_claim_columns(FunctionCallInfo fcinfo, Datum *values, bool *nulls)
 	IdemRelation rel;
 	ClaimWait	wait;
 
+	if (idem_keys_spi)
+	{
+		claim_columns_spi(fcinfo, scope, key, fingerprint, ttl, lease, values, nulls);
+		return;
+	}
 	claim_wait_start(&wait, fcinfo, IDEM_CLAIM_WAIT_ARGNO, scope, key);
 	idem_require_writable("idem_claim()");
 	idem_relation_open(&rel, IDEM_TABLE_KEYS, RowExclusiveLock, scope, "idem_claim()");
@@ -555,33 +572,31 @@ idem_claim(PG_FUNCTION_ARGS)
 }
 
 /*
- * Find the in-progress claim that idem_complete, idem_release or
- * idem_checkpoint acts on, or raise the error that says why there is none.
- * With an attempt, the claim must be that attempt: a caller whose claim was
- * taken over gets an error instead of overwriting the new owner's work.
+ * The error raised when the key's only row is another transaction's claim
+ * that has not committed yet.
  */
 static void
-find_claim(IdemRelation *rel, text *scope, text *key,
-		   bool check_attempt, int32 attempt,
-		   ProbeResult *found, KeyRow *row)
+raise_claim_uncommitted(text *scope, text *key)
 {
-	Datum		pkey[2] = {PointerGetDatum(scope), PointerGetDatum(key)};
+	ereport(ERROR,
+			(errcode(ERRCODE_IDEM_KEY_NOT_CLAIMED),
+			 errmsg("idempotency key \"%s\" in scope \"%s\" is not claimed by this transaction",
+					text_for_message(key), text_for_message(scope)),
+			 errdetail("Another transaction's claim of the key has not committed yet.")));
+}
+
+/*
+ * Raise the error that says why row (NULL: no row) is not the in-progress
+ * claim (of attempt, if check_attempt) that idem_complete, idem_release,
+ * idem_checkpoint and idem_extend_lease act on; return if it is.
+ */
+static void
+check_claim(text *scope, text *key, const KeyRow *row,
+			bool check_attempt, int32 attempt)
+{
 	int32		current_attempt;
 
-	idem_probe(rel, pkey, found);
-
-	if (found->outcome == PROBE_INSERTING)
-		ereport(ERROR,
-				(errcode(ERRCODE_IDEM_KEY_NOT_CLAIMED),
-				 errmsg("idempotency key \"%s\" in scope \"%s\" is not claimed by this transaction",
-						text_for_message(key), text_for_message(scope)),
-				 errdetail("Another transaction's claim of the key has not committed yet.")));
-
-	if (found->outcome == PROBE_FOUND)
-		deform_key_row(rel, found, row);
-
-	if (found->outcome == PROBE_ABSENT ||
-		key_row_expired(row, GetCurrentTimestamp()))
+	if (row == NULL || key_row_expired(row, GetCurrentTimestamp()))
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_KEY_NOT_CLAIMED),
 				 errmsg("idempotency key \"%s\" in scope \"%s\" is not claimed",
@@ -605,7 +620,31 @@ find_claim(IdemRelation *rel, text *scope, text *key,
 						current_attempt, attempt),
 				 attempt < current_attempt ?
 				 errhint("The claim's lease ran out and a retry took the key over; this attempt must stop without side effects.") : 0));
+}
 
+/*
+ * Find the in-progress claim that idem_complete, idem_release or
+ * idem_checkpoint acts on, or raise the error that says why there is none.
+ * With an attempt, the claim must be that attempt: a caller whose claim was
+ * taken over gets an error instead of overwriting the new owner's work.
+ */
+static void
+find_claim(IdemRelation *rel, text *scope, text *key,
+		   bool check_attempt, int32 attempt,
+		   ProbeResult *found, KeyRow *row)
+{
+	Datum		pkey[2] = {PointerGetDatum(scope), PointerGetDatum(key)};
+
+	idem_probe(rel, pkey, found);
+
+	if (found->outcome == PROBE_INSERTING)
+		raise_claim_uncommitted(scope, key);
+
+	if (found->outcome == PROBE_FOUND)
+		deform_key_row(rel, found, row);
+
+	check_claim(scope, key, found->outcome == PROBE_FOUND ? row : NULL,
+				check_attempt, attempt);
 	check_serializable_write(rel, found);
 }
 
@@ -615,6 +654,361 @@ find_claim(IdemRelation *rel, text *scope, text *key,
  * start over if the row changed under us while we waited for its lock.
  */
 typedef bool (*ClaimChange) (KeyRow *row, void *arg);
+
+/*
+ * ---- The SPI path (issue 29 item 2) ----
+ *
+ * The same decisions through kept SPI plans, without a dirty snapshot, as
+ * the SQL edition makes them (sql-edition/keys.sql, doc/internals.md "Keys
+ * without a dirty snapshot"): every write of a key is preceded by a
+ * transaction-level advisory lock on a 64-bit hash of the key (the SQL
+ * edition's _lock_id, so that both take the same lock), taken here with
+ * LockAcquire; idem_claim reads the key with a plain SELECT, and writes
+ * with INSERT ... ON CONFLICT DO NOTHING or an UPDATE of the version read
+ * (ctid and xmin).  A claim that cannot take the lock answers in_progress
+ * (its holder is writing the key); a write that finds the key changed
+ * since the read lets the lock go and decides again.  The functions that
+ * change a claim check the committed row first, then wait for the lock
+ * (as the direct path waits for the row) and check again.
+ *
+ * Chosen by idempotency.keys_spi (off: the direct path), for make bench's
+ * pairs that measure one against the other.
+ */
+typedef enum KeyStatement
+{
+	KEY_SELECT,
+	KEY_INSERT,
+	KEY_UPDATE,
+	KEY_DELETE,
+	NUM_KEY_STATEMENTS
+} KeyStatement;
+
+#define KEY_COLUMNS_SQL \
+	"scope, key, fingerprint, attempt, recovery_point, lease_expires_at," \
+	" status_code, body, headers, ttl, created_at, completed_at, expires_at"
+#define KEY_ARGTYPES \
+	TEXTOID, TEXTOID, TEXTOID, INT4OID, TEXTOID, TIMESTAMPTZOID, \
+	INT4OID, TEXTOID, JSONBOID, INTERVALOID, TIMESTAMPTZOID, TIMESTAMPTZOID, \
+	TIMESTAMPTZOID
+
+static const struct
+{
+	const char *sql;
+	int			nargs;
+	Oid			argtypes[Natts_keys + 2];
+}			key_statements[NUM_KEY_STATEMENTS] = {
+	[KEY_SELECT] = {
+		"SELECT " KEY_COLUMNS_SQL ", xmin, ctid FROM idempotency.keys"
+		" WHERE scope = $1 AND key = $2",
+		2, {TEXTOID, TEXTOID}
+	},
+	[KEY_INSERT] = {
+		"INSERT INTO idempotency.keys (" KEY_COLUMNS_SQL ")"
+		" VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+		" ON CONFLICT DO NOTHING",
+		Natts_keys, {KEY_ARGTYPES}
+	},
+	[KEY_UPDATE] = {
+		"UPDATE idempotency.keys SET fingerprint = $3, attempt = $4,"
+		" recovery_point = $5, lease_expires_at = $6, status_code = $7,"
+		" body = $8, headers = $9, ttl = $10, created_at = $11,"
+		" completed_at = $12, expires_at = $13"
+		" WHERE ctid = $14 AND xmin = $15 AND scope = $1 AND key = $2",
+		Natts_keys + 2, {KEY_ARGTYPES, TIDOID, XIDOID}
+	},
+	[KEY_DELETE] = {
+		"DELETE FROM idempotency.keys"
+		" WHERE ctid = $3 AND xmin = $4 AND scope = $1 AND key = $2",
+		4, {TEXTOID, TEXTOID, TIDOID, XIDOID}
+	},
+};
+
+static SPIPlanPtr key_plans[NUM_KEY_STATEMENTS];
+
+/* Where the version read is: its ctid and xmin, for the write's WHERE. */
+typedef struct KeyVersion
+{
+	ItemPointerData tid;
+	TransactionId xmin;
+} KeyVersion;
+
+/* The role that owns idempotency.keys, which the statements run as. */
+static Oid
+keys_owner(void)
+{
+	Oid			nsp = get_namespace_oid("idempotency", true);
+	Oid			relid = OidIsValid(nsp) ? get_relname_relid("keys", nsp) : InvalidOid;
+	HeapTuple	tuple;
+	Oid			owner;
+
+	if (!OidIsValid(relid) ||
+		!HeapTupleIsValid(tuple = SearchSysCache1(RELOID, ObjectIdGetDatum(relid))))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_TABLE),
+				 errmsg("table \"idempotency.keys\" does not exist"),
+				 errhint("Run CREATE EXTENSION idempotency in this database.")));
+	owner = ((Form_pg_class) GETSTRUCT(tuple))->relowner;
+	ReleaseSysCache(tuple);
+	return owner;
+}
+
+/* As the owner of the table, with search_path pinned, connected to SPI. */
+static void
+key_sql_begin(IdemRunAs *run_as)
+{
+	idem_run_as_begin(run_as, keys_owner(), SECURITY_LOCAL_USERID_CHANGE);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+}
+
+static void
+key_sql_end(IdemRunAs *run_as)
+{
+	SPI_finish();
+	idem_run_as_end(run_as, true);
+}
+
+/* Run one of the statements, prepared and kept on first use. */
+static uint64
+key_sql_run(KeyStatement statement, Datum *values, const char *nulls)
+{
+	int			ret;
+
+	if (key_plans[statement] == NULL)
+	{
+		SPIPlanPtr	plan = SPI_prepare(key_statements[statement].sql,
+									   key_statements[statement].nargs,
+									   (Oid *) key_statements[statement].argtypes);
+
+		if (plan == NULL)
+			elog(ERROR, "could not prepare key statement %d: %s",
+				 (int) statement, SPI_result_code_string(SPI_result));
+		if (SPI_keepplan(plan) != 0)
+			elog(ERROR, "could not keep key statement %d", (int) statement);
+		key_plans[statement] = plan;
+	}
+	ret = SPI_execute_plan(key_plans[statement], values, nulls, false,
+						   statement == KEY_SELECT ? 1 : 0);
+	if (ret < 0)
+		elog(ERROR, "key statement %d failed: %s",
+			 (int) statement, SPI_result_code_string(ret));
+	return SPI_processed;
+}
+
+/*
+ * Read the key: false if no row is visible, else its columns into row
+ * (pointing into a copy that outlives SPI) and where it is into version.
+ */
+static bool
+key_read(text *scope, text *key, KeyRow *row, KeyVersion *version)
+{
+	Datum		args[2] = {PointerGetDatum(scope), PointerGetDatum(key)};
+	Datum		values[Natts_keys + 2];
+	bool		nulls[Natts_keys + 2];
+	HeapTuple	tuple;
+
+	if (key_sql_run(KEY_SELECT, args, NULL) == 0)
+		return false;
+	tuple = SPI_copytuple(SPI_tuptable->vals[0]);
+	heap_deform_tuple(tuple, SPI_tuptable->tupdesc, values, nulls);
+	memcpy(row->values, values, sizeof(row->values));
+	memcpy(row->nulls, nulls, sizeof(row->nulls));
+	version->xmin = DatumGetTransactionId(values[Natts_keys]);
+	ItemPointerCopy((ItemPointer) DatumGetPointer(values[Natts_keys + 1]), &version->tid);
+	return true;
+}
+
+/* Write row: a new one (version NULL), else over the version read. */
+static bool
+key_write(const KeyRow *row, const KeyVersion *version)
+{
+	Datum		values[Natts_keys + 2];
+	char		nulls[Natts_keys + 2];
+
+	for (int i = 0; i < Natts_keys; i++)
+	{
+		values[i] = row->values[i];
+		nulls[i] = row->nulls[i] ? 'n' : ' ';
+	}
+	if (version == NULL)
+		return key_sql_run(KEY_INSERT, values, nulls) == 1;
+	values[Natts_keys] = PointerGetDatum(&version->tid);
+	values[Natts_keys + 1] = TransactionIdGetDatum(version->xmin);
+	nulls[Natts_keys] = nulls[Natts_keys + 1] = ' ';
+	return key_sql_run(KEY_UPDATE, values, nulls) == 1;
+}
+
+static bool
+key_delete(text *scope, text *key, const KeyVersion *version)
+{
+	Datum		values[4] = {PointerGetDatum(scope), PointerGetDatum(key),
+		PointerGetDatum(&version->tid), TransactionIdGetDatum(version->xmin)};
+
+	return key_sql_run(KEY_DELETE, values, NULL) == 1;
+}
+
+/*
+ * The key's advisory lock: the SQL edition's _lock_id('k', scope, key),
+ * hashtextextended('k' || octet_length(scope) || ':' || scope || key, 7211),
+ * as pg_advisory_xact_lock(bigint) tags it.
+ */
+static void
+key_lock_tag(LOCKTAG *tag, text *scope, text *key)
+{
+	StringInfoData buf;
+	uint64		hash;
+
+	initStringInfo(&buf);
+	appendStringInfo(&buf, "k%d:", (int) VARSIZE_ANY_EXHDR(scope));
+	appendBinaryStringInfo(&buf, VARDATA_ANY(scope), VARSIZE_ANY_EXHDR(scope));
+	appendBinaryStringInfo(&buf, VARDATA_ANY(key), VARSIZE_ANY_EXHDR(key));
+	hash = hash_bytes_extended((const unsigned char *) buf.data, buf.len, 7211);
+	pfree(buf.data);
+	SET_LOCKTAG_ADVISORY(*tag, MyDatabaseId, (uint32) (hash >> 32), (uint32) hash, 1);
+}
+
+/* idem_claim_columns through SPI: see above. */
+static void
+claim_columns_spi(FunctionCallInfo fcinfo, text *scope, text *key,
+				  text *fingerprint, Interval *ttl, Interval *lease,
+				  Datum *values, bool *nulls)
+{
+	ClaimWait	wait;
+	LOCKTAG		tag;
+	IdemRunAs	run_as;
+
+	claim_wait_start(&wait, fcinfo, IDEM_CLAIM_WAIT_ARGNO, scope, key);
+	idem_require_writable("idem_claim()");
+	key_lock_tag(&tag, scope, key);
+	key_sql_begin(&run_as);
+
+	for (;;)
+	{
+		KeyRow		row;
+		KeyVersion	version;
+		bool		found;
+		bool		mine = false;
+		ClaimDecision decision = CLAIM_RESET;
+		TimestampTz now;
+
+		CHECK_FOR_INTERRUPTS();
+		found = key_read(scope, key, &row, &version);
+		now = GetCurrentTimestamp();
+
+		if (found)
+		{
+			mine = TransactionIdIsCurrentTransactionId(version.xmin);
+			decision = decide_claim(&row, false, mine, fingerprint, now);
+			if (decision == CLAIM_MISMATCH)
+			{
+				claim_columns(OUTCOME_MISMATCH, NULL, values, nulls);
+				break;
+			}
+			if (decision == CLAIM_REPLAY)
+			{
+				claim_columns(OUTCOME_REPLAY, &row, values, nulls);
+				break;
+			}
+			if (decision == CLAIM_IN_PROGRESS)
+			{
+				if (!mine &&
+					claim_wait_sleep(&wait,
+									 KEY_ISNULL(&row, Anum_keys_lease_expires_at) ? 0 :
+									 DatumGetTimestampTz(KEY_VALUE(&row, Anum_keys_lease_expires_at))))
+					continue;
+				claim_columns(OUTCOME_IN_PROGRESS, &row, values, nulls);
+				if (!holder_lease_known(&row, mine, now))
+					nulls[RESULT_LEASE_EXPIRES_AT] = true;
+				break;
+			}
+		}
+
+		if (LockAcquire(&tag, ExclusiveLock, false, true) == LOCKACQUIRE_NOT_AVAIL)
+		{
+			/* another transaction is writing the key: its end wakes us */
+			if (claim_wait_sleep(&wait, 0))
+				continue;
+			if (!found)
+				claim_columns(OUTCOME_IN_PROGRESS, NULL, values, nulls);
+			else
+			{
+				claim_columns(OUTCOME_IN_PROGRESS, &row, values, nulls);
+				nulls[RESULT_LEASE_EXPIRES_AT] = true;
+			}
+			break;
+		}
+
+		if (!found)
+		{
+			memset(&row, 0, sizeof(row));
+			KEY_SET(&row, Anum_keys_scope, PointerGetDatum(scope));
+			KEY_SET(&row, Anum_keys_key, PointerGetDatum(key));
+		}
+		start_claim(&row, decision == CLAIM_TAKE_OVER, fingerprint, ttl, lease, now);
+		if (key_write(&row, found ? &version : NULL))
+		{
+			if (decision == CLAIM_TAKE_OVER)
+				idem_count(IDEM_COUNTER_TAKEOVERS, 1);
+			claim_wait_key_changed(scope, key);
+			claim_columns(OUTCOME_CLAIMED, &row, values, nulls);
+			break;
+		}
+		/* the key changed since it was read: let the lock go, look again */
+		LockRelease(&tag, ExclusiveLock, false);
+	}
+
+	key_sql_end(&run_as);
+	claim_wait_end(&wait);
+}
+
+/* change_claim through SPI: see above. */
+static void
+change_claim_spi(const char *function_name, text *scope, text *key,
+				 bool check_attempt, int32 attempt, ClaimChange change, void *arg)
+{
+	LOCKTAG		tag;
+	IdemRunAs	run_as;
+	bool		locked;
+
+	idem_require_writable(function_name);
+	key_lock_tag(&tag, scope, key);
+	locked = LockAcquire(&tag, ExclusiveLock, false, true) != LOCKACQUIRE_NOT_AVAIL;
+	key_sql_begin(&run_as);
+
+	for (;;)
+	{
+		KeyRow		row;
+		KeyVersion	version;
+		bool		found;
+		bool		written;
+
+		CHECK_FOR_INTERRUPTS();
+		found = key_read(scope, key, &row, &version);
+		/* nothing committed, and the lock held: a claim in flight */
+		if (!found && !locked)
+			raise_claim_uncommitted(scope, key);
+		check_claim(scope, key, found ? &row : NULL, check_attempt, attempt);
+		if (!locked)
+		{
+			/* the holder is changing it: wait for its end, then look again */
+			(void) LockAcquire(&tag, ExclusiveLock, false, false);
+			locked = true;
+			continue;
+		}
+		if (change(&row, arg))
+			written = key_write(&row, &version);
+		else
+			written = key_delete(scope, key, &version);
+		if (written)
+		{
+			claim_wait_key_changed(scope, key);
+			break;
+		}
+		/* deleted since it was read (the purge): decide anew */
+	}
+
+	key_sql_end(&run_as);
+}
 
 static void
 change_claim(const char *function_name, FunctionCallInfo fcinfo,
@@ -626,6 +1020,11 @@ change_claim(const char *function_name, FunctionCallInfo fcinfo,
 	int32		attempt = check_attempt ? PG_GETARG_INT32(attempt_argno) : 0;
 	IdemRelation rel;
 
+	if (idem_keys_spi)
+	{
+		change_claim_spi(function_name, scope, key, check_attempt, attempt, change, arg);
+		return;
+	}
 	idem_require_writable(function_name);
 	idem_relation_open(&rel, IDEM_TABLE_KEYS, RowExclusiveLock, scope, function_name);
 
