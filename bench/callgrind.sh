@@ -20,6 +20,12 @@
 # batch's, plus the round trips that the single calls pay and a
 # single-user server does not.
 #
+# With the argument "keys" it counts the key functions' two hot cases, on
+# the direct path and through kept SPI plans (idempotency.keys_spi, issue 29
+# item 2): a replay of a completed key (make bench's replay.sql), and a
+# claim + complete of a new key in a transaction of its own
+# (claim_complete.sql).
+#
 # BENCH_CALLGRIND_KEEP=PREFIX keeps each count's callgrind output (of its
 # longer run) as PREFIX.<label>, for callgrind_annotate.
 #
@@ -55,6 +61,25 @@ calls() {
 	echo "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), lsn) AS wal_bytes FROM wal;"
 }
 
+# keys_calls SPI:CASE N: the key functions' case (replay or claim) N times,
+# with idempotency.keys_spi = SPI
+keys_calls() {
+	local spi=${1%%:*} case=${1#*:} n=$2
+	echo "SET idempotency.keys_spi = $spi;"
+	echo "PREPARE r(text) AS SELECT outcome, status_code, body, headers FROM idempotency.idem_claim('replay', \$1);"
+	echo "PREPARE c(text) AS SELECT outcome FROM idempotency.idem_claim('bench', \$1);"
+	echo "PREPARE d(text) AS SELECT idempotency.idem_complete('bench', \$1, 201, '{\"id\": 1, \"status\": \"created\"}', '{\"Location\": \"/payments/1\"}');"
+	echo "CREATE TEMP TABLE wal AS SELECT pg_current_wal_insert_lsn() AS lsn;"
+	for ((k = 1; k <= n; k++)); do
+		if [ "$case" = replay ]; then
+			echo "EXECUTE r('$(((k * 7919) % 100000 + 1))');"
+		else
+			printf '%s\n' "BEGIN;" "EXECUTE c('$spi-$n-$k');" "EXECUTE d('$spi-$n-$k');" "COMMIT;"
+		fi
+	done
+	echo "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), lsn) AS wal_bytes FROM wal;"
+}
+
 # count_runs LABEL STATEMENT FEW MANY IDS UNIT: runs STATEMENT FEW times,
 # then MANY times, each run counted by callgrind; IDS is how many more ids
 # the second run wrote.  Prints the instructions an id (the difference of
@@ -63,7 +88,7 @@ calls() {
 count_runs() {
 	local label=$1 statement=$2 few=$3 many=$4 ids=$5 unit=$6 n ir=() wal
 	for n in "$few" "$many"; do
-		calls "$statement" "$n" >"$dir/in"
+		"${CALLS:-calls}" "$statement" "$n" >"$dir/in"
 		chmod 644 "$dir/in"
 		single valgrind --tool=callgrind --callgrind-out-file="$dir/callgrind.out" \
 			<"$dir/in" >"$dir/out" 2>"$dir/err"
@@ -89,6 +114,16 @@ count_batch() {
 }
 
 echo "PostgreSQL $("$PG_CONFIG" --version | awk '{ print $2 }'), callgrind, postgres --single"
+if [ "${1:-}" = keys ]; then
+	printf '%s\n' "INSERT INTO idempotency.keys (scope, key, fingerprint, attempt, status_code, body, headers, ttl, created_at, completed_at, expires_at) SELECT 'replay', n::text, NULL, 1, 201, '{\"id\": ' || n || ', \"status\": \"created\"}', '{\"Location\": \"/payments/1\"}', '24 hours', now(), now(), now() + interval '24 hours' FROM generate_series(1, 100000) n;" |
+		single >/dev/null
+	CALLS=keys_calls
+	count "replay, direct" off:replay
+	count "replay, SPI" on:replay
+	count "claim + complete, direct" off:claim
+	count "claim + complete, SPI" on:claim
+	exit 0
+fi
 if [ "${1:-}" = batch ]; then
 	ids="ARRAY(SELECT \$1 || '-' || g FROM generate_series(1, 500) g)"
 	count_batch "idem_mark_processed_batch of 500" \
