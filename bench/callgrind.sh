@@ -24,7 +24,8 @@
 # the direct path and through kept SPI plans (idempotency.keys_spi, issue 29
 # item 2): a replay of a completed key (make bench's replay.sql), and a
 # claim + complete of a new key in a transaction of its own
-# (claim_complete.sql).
+# (claim_complete.sql), after 100,000 stored responses and a VACUUM
+# (ANALYZE) of the table, as make bench's pairs start.
 #
 # BENCH_CALLGRIND_KEEP=PREFIX keeps each count's callgrind output (of its
 # longer run) as PREFIX.<label>, for callgrind_annotate.
@@ -115,8 +116,8 @@ count_batch() {
 
 echo "PostgreSQL $("$PG_CONFIG" --version | awk '{ print $2 }'), callgrind, postgres --single"
 if [ "${1:-}" = keys ]; then
-	printf '%s\n' "INSERT INTO idempotency.keys (scope, key, fingerprint, attempt, status_code, body, headers, ttl, created_at, completed_at, expires_at) SELECT 'replay', n::text, NULL, 1, 201, '{\"id\": ' || n || ', \"status\": \"created\"}', '{\"Location\": \"/payments/1\"}', '24 hours', now(), now(), now() + interval '24 hours' FROM generate_series(1, 100000) n;" |
-		single >/dev/null
+	printf '%s\n' "INSERT INTO idempotency.keys (scope, key, fingerprint, attempt, status_code, body, headers, ttl, created_at, completed_at, expires_at) SELECT 'replay', n::text, NULL, 1, 201, '{\"id\": ' || n || ', \"status\": \"created\"}', '{\"Location\": \"/payments/1\"}', '24 hours', now(), now(), now() + interval '24 hours' FROM generate_series(1, 100000) n;" \
+		"VACUUM (ANALYZE) idempotency.keys;" | single >/dev/null
 	CALLS=keys_calls
 	count "replay, direct" off:replay
 	count "replay, SPI" on:replay
