@@ -283,7 +283,7 @@ fi
 # server: the script installed as a role with only CREATE on the database,
 # nothing preloaded
 if [ "$via" = script ]; then
-	tap=(t/001_claim_race.pl t/014_claim_wait.pl)
+	tap=(t/001_claim_race.pl t/014_claim_wait.pl t/016_notify_truncated.pl)
 	echo "-- prove (IDEM_EDITION=sql): ${tap[*]}"
 	mkdir -p "$work/tap"
 	if ! PATH="$tree$bindir:$PATH" PG_REGRESS="$pg_regress" IDEM_EDITION=sql IDEM_SQL_SCRIPT="$script" \

@@ -6,35 +6,45 @@
 # listener, with SELECT on the outbox's columns it reads, runs the
 # reference's query and gets the whole payload; a purge meanwhile deletes
 # the other published rows but not this one; once the window has passed,
-# the worker's purge deletes it.
+# the worker's purge deletes it.  Against both editions (t/IdemTest.pm):
+# the SQL edition, without a worker, publishes a notify route's rows at
+# the enqueue's commit, and purges when idem_run_maintenance() is called.
 
 use strict;
 use warnings;
 
+use FindBin;
+use lib $FindBin::RealBin;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(usleep);
 
+use IdemTest;
+
 my $node = PostgreSQL::Test::Cluster->new('notify_truncated');
 $node->init;
-$node->append_conf('postgresql.conf', "shared_preload_libraries = 'idempotency'");
+$node->append_conf('postgresql.conf', preload());
 $node->start;
+install_idempotency($node);
 
 $node->safe_psql('postgres', q{
-	CREATE EXTENSION idempotency;
 	SELECT idempotency.idem_outbox_route('big', 'notify', 'idem_big');
 	CREATE ROLE listener LOGIN;
 	GRANT USAGE ON SCHEMA idempotency TO listener;
 	GRANT SELECT (id, payload, headers, created_at) ON idempotency.outbox TO listener;
 });
+# (the SQL edition defines no setting: unset, each is its default)
 is($node->safe_psql('postgres', q{
-		SELECT current_setting('idempotency.outbox_retention') || ' ' ||
-		       current_setting('idempotency.notify_truncated_retention')}),
-	'0 1h', 'the settings are the defaults');
-$node->poll_query_until('postgres',
-	"SELECT worker_last_round IS NOT NULL FROM idempotency.stats")
-  or die "the worker has not finished a round";
+		SELECT coalesce(current_setting('idempotency.outbox_retention', true), 'unset') || ' ' ||
+		       coalesce(current_setting('idempotency.notify_truncated_retention', true), 'unset')}),
+	edition() eq 'c' ? '0 1h' : 'unset unset', 'the settings are the defaults');
+if (edition() eq 'c')
+{
+	$node->poll_query_until('postgres',
+		"SELECT worker_last_round IS NOT NULL FROM idempotency.stats")
+	  or die "the worker has not finished a round";
+}
 
 # a listener of its own role, connected before the rows are published
 my $listener = $node->background_psql('postgres', extra_params => [ '-U', 'listener' ]);
@@ -47,8 +57,9 @@ my ($small, $large) = split /\n/, $node->safe_psql('postgres', q{
 	COMMIT;
 });
 
-# the worker publishes both in one transaction (one key, in order): the
-# small row is deleted, the large one kept as published
+# the worker publishes both in one transaction (one key, in order), the
+# SQL edition each as it is enqueued: the small row is deleted, the large
+# one kept as published
 $node->poll_query_until('postgres',
 	"SELECT state = 'published' FROM idempotency.outbox WHERE id = $large")
   or die "the large row was not published";
@@ -111,15 +122,35 @@ is($node->safe_psql('postgres', qq{
 like($listener->query_safe($query), qr/^\{"blob": "x{9000}"\}/,
 	'the listener can still read it');
 
-# Once the window has passed, the worker's purge deletes it.
-$node->safe_psql('postgres', q{
-	ALTER SYSTEM SET idempotency.notify_truncated_retention = '1s';
-	ALTER SYSTEM SET idempotency.purge_interval = '100ms';
-});
-$node->reload;
-ok($node->poll_query_until('postgres',
-		"SELECT count(*) = 0 FROM idempotency.outbox WHERE id = $large"),
-	'the worker purges the row once notify_truncated_retention has passed');
+# Once the window has passed, the worker's purge deletes it (the SQL
+# edition's, called as pg_cron would).
+# (The SQL edition's settings are set per database, by its owner.)
+if (edition() eq 'c')
+{
+	$node->safe_psql('postgres', q{
+		ALTER SYSTEM SET idempotency.notify_truncated_retention = '1s';
+		ALTER SYSTEM SET idempotency.purge_interval = '100ms';
+	});
+	$node->reload;
+}
+else
+{
+	$node->safe_psql('postgres', q{
+		ALTER DATABASE postgres SET idempotency.notify_truncated_retention = '1s';
+	});
+}
+my $gone = "SELECT count(*) = 0 FROM idempotency.outbox WHERE id = $large";
+if (edition() eq 'sql')
+{
+	my $deadline = time + $PostgreSQL::Test::Utils::timeout_default;
+	until ($node->safe_psql('postgres', $gone) eq 't' || time > $deadline)
+	{
+		$node->safe_psql('postgres', 'SELECT * FROM idempotency.idem_run_maintenance()');
+		usleep(100_000);
+	}
+}
+ok($node->poll_query_until('postgres', $gone),
+	'the purge deletes the row once notify_truncated_retention has passed');
 
 $listener->quit;
 $node->stop;
