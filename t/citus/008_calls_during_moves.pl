@@ -222,5 +222,23 @@ my ($first_completed) = sort @{ $ids{complete} // [] };
 like(call(qq{SELECT idempotency.idem_claim('t1', 'k-$first_completed')}), qr/^\(replay,201,done,/,
 	'a completed key replays after the moves') if defined $first_completed;
 
+# A call that Citus sends to a node its metadata named for the shard, after
+# the shard has moved away, is refused with a retryable SQLSTATE (40001):
+# here, one sent to the node t1's shard group has left, over a connection
+# named as Citus names its own
+my $from = $cluster->node_of('idempotency.keys', 't1')->port == $w1->port ? $w2 : $w1;
+my $as_citus = $from->connstr('postgres') . ' application_name=\'citus_internal gpid=10000000001\'';
+my ($ret, $out, $err) = $from->psql('postgres',
+	"\\set VERBOSITY verbose\nSELECT idempotency.idem_claim('t1', 'k-late')",
+	connstr => $as_citus);
+like($err, qr/ERROR:  40001: idem_claim\(\) cannot run on this node: shard $shard of table "idempotency.keys" is no longer placed here/,
+	'a call Citus sent to the old node is refused with 40001');
+like($err, qr/HINT:  Retry the transaction: Citus sends the call to the shard's new node\./,
+	'and the hint says to retry');
+($ret, $out, $err) = $from->psql('postgres',
+	"\\set VERBOSITY verbose\nSELECT (idempotency.idem_claim('t1', 'k-late')).outcome");
+like($err, qr/ERROR:  55000: idem_claim\(\) cannot run on this node: shard $shard of table "idempotency.keys" is not placed here/,
+	'one made there inside an expression, which Citus does not delegate, with 55000 as before');
+
 $cluster->stop;
 done_testing();
