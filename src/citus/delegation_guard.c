@@ -53,10 +53,13 @@
  * runs the query before it reads the placement.  So, for a query that is
  * one call of a delegated function of ours (the shapes Citus delegates:
  * SELECT f(...), SELECT ... FROM f(...)) whose distribution argument is
- * known when it is planned, the hook takes that lock before Citus plans
- * (citus/shards.c, idem_lock_shard_for_call): a call planned during a
- * move waits for it and goes to the new node; a move that starts later
- * waits for the call's transaction, as for a router write.
+ * known when it is planned (it folds to a constant, as Citus needs it to),
+ * the hook takes that lock before Citus plans (citus/shards.c,
+ * idem_lock_shard_for_call): a call planned during a move waits for it and
+ * goes to the new node; a move that starts later waits for the call's
+ * transaction, as for a router write.  The shape is checked first; the
+ * catalogs are read only for a call of a function of the schema
+ * idempotency.
  *
  * Owns: the planner hook.
  * May call: citus/shards.h (whether Citus delegates a function, the
@@ -70,7 +73,9 @@
 #include "catalog/namespace.h"
 #include "catalog/pg_type.h"
 #include "nodes/nodeFuncs.h"
+#include "optimizer/optimizer.h"
 #include "optimizer/planner.h"
+#include "nodes/pathnodes.h"
 #include "parser/parsetree.h"
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
@@ -209,42 +214,30 @@ whole_query_call(Query *query)
 
 /*
  * The value of a call's first argument (the one idem_distribute() makes
- * the distribution argument) when it is known at planning, a text constant
- * or a bound parameter (Citus delegates a call with parameters only once
- * they are bound); else NULL.
+ * the distribution argument) when planning knows it: the argument folded
+ * as standard_planner folds it before Citus looks at it (constants, the
+ * parameters bound for a custom plan: Citus delegates a call with
+ * parameters only once they are bound), if that leaves a text constant;
+ * else NULL.
  */
 static text *
 first_argument(FuncExpr *call, ParamListInfo params)
 {
-	Node	   *arg = list_length(call->args) > 0 ? linitial(call->args) : NULL;
+	PlannerGlobal *glob;
+	PlannerInfo *root;
+	Node	   *arg;
 
-	while (arg != NULL && IsA(arg, RelabelType))
-		arg = (Node *) ((RelabelType *) arg)->arg;
-	if (arg == NULL)
+	if (call->args == NIL)
 		return NULL;
-	if (IsA(arg, Const))
-	{
-		Const	   *value = (Const *) arg;
-
-		if (value->constisnull || value->consttype != TEXTOID)
-			return NULL;
-		return DatumGetTextPP(value->constvalue);
-	}
-	if (IsA(arg, Param) && ((Param *) arg)->paramkind == PARAM_EXTERN && params != NULL)
-	{
-		int			id = ((Param *) arg)->paramid;
-		ParamExternData workspace;
-		ParamExternData *value;
-
-		if (id <= 0 || id > params->numParams)
-			return NULL;
-		value = params->paramFetch != NULL ?
-			params->paramFetch(params, id, false, &workspace) : &params->params[id - 1];
-		if (value == NULL || value->isnull || value->ptype != TEXTOID)
-			return NULL;
-		return DatumGetTextPP(value->value);
-	}
-	return NULL;
+	glob = makeNode(PlannerGlobal);
+	glob->boundParams = params;
+	root = makeNode(PlannerInfo);
+	root->glob = glob;
+	arg = eval_const_expressions(root, (Node *) copyObject(linitial(call->args)));
+	if (!IsA(arg, Const) || ((Const *) arg)->constisnull ||
+		((Const *) arg)->consttype != TEXTOID)
+		return NULL;
+	return DatumGetTextPP(((Const *) arg)->constvalue);
 }
 
 /*

@@ -1,11 +1,16 @@
 # Calls through the coordinator while their tenant's shard group moves:
-# 4 sessions loop through claim + complete, enqueue, mark_processed and a
-# plain router INSERT into the colocated table payments, all for tenant t1,
-# while t1's shard group moves between the two workers 4 times in
-# block_writes mode and 4 times in force_logical mode.  Every call of ours
+# 4 sessions loop, one through claim + complete, one through enqueue, one
+# through mark_processed and one through a plain router INSERT into the
+# colocated table payments, all for tenant t1, while t1's shard group moves
+# between the two workers 4 times in block_writes mode and 4 times in
+# force_logical mode.  Every call of ours
 # must succeed, as Citus's own router INSERT does (it waits behind the move
 # and lands on the new placement), and afterwards the tables hold exactly
 # the rows of the calls that succeeded: none lost, none twice.
+#
+# The calls come in the forms Citus delegates: the distribution argument a
+# constant (complete, mark_processed), a parameter bound to a prepared
+# statement (claim) or an expression that folds to a constant (enqueue).
 #
 # Each session is a psql reading a script fed in batches of iterations: a
 # call's outcome is echoed as "ok KIND ID" or "fail KIND ID SQLSTATE", from
@@ -38,14 +43,19 @@ my $moves_per_mode = 4;
 my $sessions = 4;
 my $batch = 3;    # iterations fed to a session at a time
 
-# One iteration of session $s, number $i: the calls, each echoing its outcome.
+# what each session calls: one kind each, so that each kind meets the moves
+# on its own, not only when the others leave it room
+my @kinds = (undef, 'claim', 'enqueue', 'mark_processed', 'insert');
+
+# One iteration of session $s, number $i: its calls, each echoing its outcome.
 sub iteration
 {
 	my ($s, $i) = @_;
 	my $id = "$s-$i";
 	my $n = $s * 1000000 + $i;
-	return qq{
-SELECT outcome FROM idempotency.idem_claim('t1', 'k-$id') \\gset
+	my %calls = (
+		claim => qq{
+EXECUTE claim('t1', 'k-$id') \\gset
 \\if :ERROR
 \\echo fail claim $id :SQLSTATE
 \\else
@@ -57,26 +67,32 @@ SELECT idempotency.idem_complete('t1', 'k-$id', 201, 'done') AS stored \\gset
 \\echo ok complete $id :stored
 \\endif
 \\endif
-SELECT idempotency.idem_outbox_enqueue('t1', '{"id": "$id"}') AS enqueued \\gset
+},
+		enqueue => qq{
+SELECT idempotency.idem_outbox_enqueue('t' || '1', '{"id": "$id"}') AS enqueued \\gset
 \\if :ERROR
 \\echo fail enqueue $id :SQLSTATE
 \\else
 \\echo ok enqueue $id
 \\endif
+},
+		mark_processed => qq{
 SELECT idempotency.idem_mark_processed('t1', 'e-$id') AS marked \\gset
 \\if :ERROR
 \\echo fail mark_processed $id :SQLSTATE
 \\else
 \\echo ok mark_processed $id :marked
 \\endif
+},
+		insert => qq{
 INSERT INTO payments VALUES ('t1', $n, 1);
 \\if :ERROR
 \\echo fail insert $id :SQLSTATE
 \\else
 \\echo ok insert $id
 \\endif
-\\echo done $s $i
-};
+});
+	return $calls{ $kinds[$s] } . "\\echo done $s $i\n";
 }
 
 # the moves, each echoing its end; the first wait for the sessions
@@ -107,6 +123,7 @@ my @harness = ([ @psql, '-v', 'ON_ERROR_STOP=1' ], '<', \$mover_in, '>', \$mover
 for my $s (1 .. $sessions)
 {
 	($in[$s], $out[$s], $err[$s], $fed[$s]) = ('', '', '', 0);
+	$in[$s] .= "PREPARE claim(text, text) AS SELECT outcome FROM idempotency.idem_claim(\$1, \$2);\n";
 	push @harness, '&', [@psql], '<', \$in[$s], '>', \$out[$s], '2>', \$err[$s];
 }
 my $timeout = IPC::Run::timeout($PostgreSQL::Test::Utils::timeout_default * 4);
