@@ -227,6 +227,11 @@ my $moves = 0;
 my $on = $cluster->node_of('idempotency.keys', 'soak');
 sub next_move
 {
+	# where the shard is now (a move that failed at its end may have moved it)
+	my ($ret, $port) = $c->psql('postgres', qq{
+		SELECT n.nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
+		WHERE p.shardid = $shard});
+	($on) = grep { $_->port == $port } ($w1, $w2) if $ret == 0 && $port =~ /^\d+$/ && $port != $on->port;
 	my $to = $on->port == $w1->port ? $w2 : $w1;
 	my $mode = ($moves % 8) < 4 ? 'block_writes' : 'force_logical';
 	return qq{CALL citus_cleanup_orphaned_resources();
@@ -332,11 +337,7 @@ while (1)
 	}
 	for (step_lines($mover))
 	{
-		if (/^step moved/)
-		{
-			$moves++;
-			$on = $on->port == $w1->port ? $w2 : $w1;
-		}
+		$moves++ if /^step moved/;
 		feed($mover, next_move()) if $now < $end;
 	}
 	if ($now >= $next_kill && $now < $end)

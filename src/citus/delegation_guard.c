@@ -258,8 +258,8 @@ lock_shard_of_delegated_call(Query *parse, ParamListInfo params)
 	if (call == NULL ||
 		!OidIsValid(schema = get_namespace_oid("idempotency", true)) ||
 		get_func_namespace(call->funcid) != schema ||
-		(value = first_argument(call, params)) == NULL ||
 		!idem_citus_delegates_function(call->funcid) ||
+		(value = first_argument(call, params)) == NULL ||
 		!OidIsValid(keys = get_relname_relid("keys", schema)) ||
 		idem_citus_partmethod(keys) != IDEM_CITUS_HASH)
 		return;
