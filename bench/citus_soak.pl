@@ -53,7 +53,9 @@ my $fault = $ENV{SOAK_FAULT} // '';
 die "SOAK_FAULT: lost, duplicated, order, double or crash\n"
   if $fault ne '' && $fault !~ /^(lost|duplicated|order|double|crash)$/;
 
-my $cluster = CitusCluster->new;
+# a node whose process was killed restarts at once (the test clusters keep
+# it down by default); the retries would fill the logs with statements
+my $cluster = CitusCluster->new(conf => "restart_after_crash = on\nlog_statement = 'none'\nlog_min_error_statement = 'panic'\n");
 my $c = $cluster->coordinator;
 my ($w1, $w2) = $cluster->workers;
 $c->safe_psql('postgres', q{
@@ -75,6 +77,9 @@ sub session
 	return $s;
 }
 sub feed { my ($s, $step) = @_; $s->{in} .= $step; $s->{busy} = 1; }
+# a step that failed is fed again 0.1 s later, as a client backs off
+sub later { my ($s) = @_; $s->{not_before} = time + 0.1; }
+sub ready { my ($s) = @_; return !$s->{busy} && time >= ($s->{not_before} // 0); }
 # the lines a session printed since last asked, once its step has ended
 sub step_lines
 {
@@ -274,8 +279,9 @@ while (1)
 		for (step_lines($s))
 		{
 			$committed{"$1 $2"}++, $next_seq{ $s->{name} }++ if /^step committed (\d+) (\d+)/;
+			later($s) if /^step retry/;
 		}
-		feed($s, produce($p, $next_seq{ $s->{name} })) if !$s->{busy} && $now < $end;
+		feed($s, produce($p, $next_seq{ $s->{name} })) if ready($s) && $now < $end;
 	}
 	for (step_lines($consumer))
 	{
@@ -317,17 +323,19 @@ while (1)
 		for (step_lines($s))
 		{
 			push @race_done, $s if /^step raced/;
-			feed($s, race("race-$round")) if /^step retry/;    # a client's retry
+			later($s), $s->{retry} = 1 if /^step retry/;
 		}
+		feed($s, race("race-$round")), $s->{retry} = 0 if $s->{retry} && ready($s);    # a client's retry
 	}
 	if (@race_done == @racers && !$late->{busy} && !$late->{raced})
 	{
 		feed($late, race("race-$round", 1));
 		$late->{raced} = 1;
 	}
+	feed($late, race("race-$round", 1)), $late->{retry} = 0 if $late->{retry} && ready($late);
 	for (step_lines($late))
 	{
-		feed($late, race("race-$round", 1)) if /^step retry/;
+		later($late), $late->{retry} = 1 if /^step retry/;
 		if (/^step raced/)
 		{
 			$late->{raced} = 0;
@@ -338,7 +346,13 @@ while (1)
 	for (step_lines($mover))
 	{
 		$moves++ if /^step moved/;
-		feed($mover, next_move()) if $now < $end;
+		later($mover) if /^step unmoved/;
+		$mover->{idle} = 1;
+	}
+	if ($mover->{idle} && ready($mover) && $now < $end)
+	{
+		$mover->{idle} = 0;
+		feed($mover, next_move());
 	}
 	if ($now >= $next_kill && $now < $end)
 	{
@@ -354,8 +368,9 @@ while (1)
 		}
 		$next_kill = $now + 20;
 	}
+	die "the soak did not end 10 minutes after its time" if $now > $end + 600;
 	if ($now >= $end && $now >= ($next_check // 0)
-		&& !grep { $_->{busy} } @producers, @racers, $late, $mover)
+		&& !grep { $_->{busy} || $_->{retry} } @producers, @racers, $late, $mover)
 	{
 		$next_check = $now + 1;
 		# drained: nothing pending or leased is left
