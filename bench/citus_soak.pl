@@ -402,6 +402,19 @@ note("$moves moves, $kills kills, $round race rounds");
 my $line = "citus soak: $n committed, $lost lost, $duplicated duplicated, $order order violations, "
   . "$double double executions, $crashes crashes";
 diag($line);
-ok(1, $line);
+my %counter = (lost => $lost, duplicated => $duplicated, order => $order,
+	double => $double, crash => $crashes);
+for my $name (sort keys %counter)
+{
+	if ($name eq $fault)
+	{
+		cmp_ok($counter{$name}, '>', 0, "the planted fault moves the $name counter");
+	}
+	else
+	{
+		is($counter{$name}, 0, "no $name");
+	}
+}
+cmp_ok($n, '>', 0, 'events were committed');
 $cluster->stop;
 done_testing();
