@@ -105,7 +105,9 @@ my @producers = map { session("producer$_") } 1 .. 4;
 sub produce
 {
 	my ($p, $seq) = @_;
-	my $key = 'k' . (($p * 7919 + $seq) % 50);
+	# three events in a row on a key, so that a batch holds several of one
+	# producer's events on one key, whose order the consumer must keep
+	my $key = 'k' . (($p * 13 + int($seq / 3)) % 50);
 	my $payload = qq{{"p": $p, "seq": $seq, "k": "$key"}};
 	my $extra = '';
 	if ($fault eq 'duplicated' && $p == 1 && $seq == 3)
