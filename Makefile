@@ -97,7 +97,7 @@ $(OBJS): $(wildcard src/*.h src/*/*.h)
 include-graph:
 	python3 scripts/include-graph.py
 
-.PHONY: test demo bench bench-http bench-citus test-matrix check-regress check-isolation check-tap check-citus check-examples check-installcheck
+.PHONY: test demo bench bench-http bench-citus soak-citus test-matrix check-regress check-isolation check-tap check-citus check-examples check-installcheck
 
 # The scripts pick the server version themselves (scripts/common.sh): a
 # PG_CONFIG or PG_MAJOR given on make's command line or in the environment
@@ -156,6 +156,17 @@ ifneq ($(CITUS_INSTALLED),)
 	$(prove_installcheck)
 else
 	@echo "bench-citus: not run (citus is not installed in this server)"
+endif
+
+# bench/citus_soak.pl: the Citus soak, SOAK_MINUTES minutes (1), SOAK_FAULT
+# to plant a fault; ends with its "citus soak: ..." line
+soak-citus: PROVE_TESTS = bench/citus_soak.pl
+soak-citus: PROVE_FLAGS += --verbose
+soak-citus:
+ifneq ($(CITUS_INSTALLED),)
+	$(prove_installcheck)
+else
+	@echo "soak-citus: not run (citus is not installed in this server)"
 endif
 
 # clients/*/test.sh and examples/*/test.sh against a temporary instance, directly and through

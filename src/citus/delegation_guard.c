@@ -43,17 +43,41 @@
  * catalogs are read only for a query with a subquery or WITH query that
  * calls a function of the schema idempotency.
  *
+ * The hook also makes a delegated call follow a shard move.  Citus picks
+ * the node of a delegated call while it plans, from its metadata, without
+ * a lock, and sends the call there; a move that switched the placement
+ * meanwhile left the call on the old node, which refused it (55000) once
+ * the move's lock let it go on.  A router write does not fail so: Citus's
+ * executor takes the shard's metadata lock (ShareLock) on the node that
+ * runs the query before it reads the placement.  So, for a query that is
+ * one call of a delegated function of ours (the shapes Citus delegates:
+ * SELECT f(...), SELECT ... FROM f(...)) whose distribution argument is
+ * known when it is planned (it folds to a constant, as Citus needs it to),
+ * the hook takes that lock before Citus plans (citus/shards.c,
+ * idem_lock_shard_for_call): a call planned during a move waits for it and
+ * goes to the new node; a move that starts later waits for the call's
+ * transaction, as for a router write.  The shape is checked first; the
+ * catalogs are read only for a call of a function of the schema
+ * idempotency.
+ *
  * Owns: the planner hook.
- * May call: citus/shards.h (whether Citus delegates a function).
+ * May call: citus/shards.h (whether Citus delegates a function, the
+ *	  shard lock of a call).
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
+#include "access/table.h"
 #include "catalog/namespace.h"
+#include "catalog/pg_type.h"
 #include "nodes/nodeFuncs.h"
+#include "optimizer/optimizer.h"
 #include "optimizer/planner.h"
+#include "nodes/pathnodes.h"
+#include "parser/parsetree.h"
 #include "utils/lsyscache.h"
+#include "utils/rel.h"
 
 #include "citus/delegation_guard.h"
 #include "citus/shards.h"
@@ -149,6 +173,100 @@ find_delegated_call(Node *node, DelegatedCall *call)
 	return expression_tree_walker(node, find_delegated_call, call);
 }
 
+/*
+ * The call that is the whole query, in the shapes Citus delegates (its
+ * TryToDelegateFunctionCall): SELECT f(...), or SELECT ... FROM f(...)
+ * with nothing else in FROM and no WHERE; NULL for any other query.
+ */
+static FuncExpr *
+whole_query_call(Query *query)
+{
+	FromExpr   *jointree = query->jointree;
+	FuncExpr   *from_call = NULL;
+	FuncExpr   *target_call = NULL;
+
+	if (jointree == NULL || jointree->quals != NULL || list_length(jointree->fromlist) > 1)
+		return NULL;
+	if (jointree->fromlist != NIL)
+	{
+		Node	   *item = linitial(jointree->fromlist);
+		RangeTblEntry *rte;
+		Node	   *call;
+
+		if (!IsA(item, RangeTblRef))
+			return NULL;
+		rte = rt_fetch(((RangeTblRef *) item)->rtindex, query->rtable);
+		if (rte->rtekind != RTE_FUNCTION || list_length(rte->functions) != 1)
+			return NULL;
+		call = linitial_node(RangeTblFunction, rte->functions)->funcexpr;
+		if (!IsA(call, FuncExpr))
+			return NULL;
+		from_call = (FuncExpr *) call;
+	}
+	if (list_length(query->targetList) == 1 &&
+		IsA(linitial_node(TargetEntry, query->targetList)->expr, FuncExpr))
+		target_call = (FuncExpr *) linitial_node(TargetEntry, query->targetList)->expr;
+	if (from_call != NULL && target_call != NULL)
+		return NULL;			/* SELECT f() FROM g(): Citus does not delegate */
+	return from_call != NULL ? from_call : target_call;
+}
+
+/*
+ * The value of a call's first argument (the one idem_distribute() makes
+ * the distribution argument) when planning knows it: the argument folded
+ * as standard_planner folds it before Citus looks at it (constants, the
+ * parameters bound for a custom plan: Citus delegates a call with
+ * parameters only once they are bound), if that leaves a text constant;
+ * else NULL.
+ */
+static text *
+first_argument(FuncExpr *call, ParamListInfo params)
+{
+	PlannerGlobal *glob;
+	PlannerInfo *root;
+	Node	   *arg;
+
+	if (call->args == NIL)
+		return NULL;
+	glob = makeNode(PlannerGlobal);
+	glob->boundParams = params;
+	root = makeNode(PlannerInfo);
+	root->glob = glob;
+	arg = eval_const_expressions(root, (Node *) copyObject(linitial(call->args)));
+	if (!IsA(arg, Const) || ((Const *) arg)->constisnull ||
+		((Const *) arg)->consttype != TEXTOID)
+		return NULL;
+	return DatumGetTextPP(((Const *) arg)->constvalue);
+}
+
+/*
+ * If the query is one call of a function of ours that Citus delegates,
+ * with its distribution value known: lock that value's shard (see the top
+ * of this file).  The extension's hash-distributed tables are colocated
+ * with keys (idem_distribute), so keys names the shard group.
+ */
+static void
+lock_shard_of_delegated_call(Query *parse, ParamListInfo params)
+{
+	FuncExpr   *call = whole_query_call(parse);
+	Oid			schema;
+	Oid			keys;
+	text	   *value;
+	Relation	shell;
+
+	if (call == NULL ||
+		!OidIsValid(schema = get_namespace_oid("idempotency", true)) ||
+		get_func_namespace(call->funcid) != schema ||
+		!idem_citus_delegates_function(call->funcid) ||
+		(value = first_argument(call, params)) == NULL ||
+		!OidIsValid(keys = get_relname_relid("keys", schema)) ||
+		idem_citus_partmethod(keys) != IDEM_CITUS_HASH)
+		return;
+	shell = table_open(keys, AccessShareLock);
+	idem_lock_shard_for_call(shell, value, psprintf("%s()", get_func_name(call->funcid)));
+	table_close(shell, NoLock);
+}
+
 static PlannedStmt *
 guard_planner(Query *parse, const char *query_string, int cursorOptions,
 			  ParamListInfo boundParams)
@@ -170,6 +288,8 @@ guard_planner(Query *parse, const char *query_string, int cursorOptions,
 				 errhint("Call it as the whole query, SELECT ... FROM idempotency.%s(...), so that Citus runs it on the node of the shard, and run the rest as a statement of its own.",
 						 name)));
 	}
+	if (parse->commandType == CMD_SELECT && parse->utilityStmt == NULL)
+		lock_shard_of_delegated_call(parse, boundParams);
 	if (prev_planner_hook)
 		return prev_planner_hook(parse, query_string, cursorOptions, boundParams);
 	return standard_planner(parse, query_string, cursorOptions, boundParams);

@@ -53,6 +53,7 @@
 #include "utils/builtins.h"
 #include "utils/datum.h"
 #include "utils/fmgroids.h"
+#include "utils/guc.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
@@ -314,23 +315,20 @@ shard_relation(Oid shell, int64 shard)
 }
 
 /*
- * The shard of the hash-distributed table shell that holds value, when
- * this node holds it: its OID, not locked, with the shard's metadata lock
- * held until the end of the transaction.  Otherwise an ERROR saying how to
- * call the function so that Citus runs it where the shard is.  Citus's
- * functions run as the table's owner, who may read Citus's metadata
- * whatever the caller's privileges.
+ * The shard of the hash-distributed table shell that holds value, with its
+ * metadata lock held (ShareLock) until the end of the transaction, looked up
+ * again after the lock, since a split may have replaced the shard while we
+ * waited.  Citus's functions run as the table's owner, who may read Citus's
+ * metadata whatever the caller's privileges.
  */
-Oid
-idem_shard_for_value(Relation shell_rel, text *value, const char *function_name)
+static int64
+lock_shard_of_value(Relation shell_rel, text *value, const char *function_name)
 {
 	Oid			shell = RelationGetRelid(shell_rel);
 	Oid			saved_userid;
 	int			saved_sec_context;
 	int64		shard;
 	int64		locked = -1;		/* no shard id */
-	int32		group;
-	Oid			relid;
 
 	GetUserIdAndSecContext(&saved_userid, &saved_sec_context);
 	SetUserIdAndSecContext(shell_rel->rd_rel->relowner,
@@ -349,16 +347,52 @@ idem_shard_for_value(Relation shell_rel, text *value, const char *function_name)
 							get_namespace_name(get_rel_namespace(shell)), get_rel_name(shell),
 							text_to_cstring(value)),
 					 errdetail("pg_dist_shard has no shard whose hash range covers the value.")));
-		/* a split may have replaced the shard while we waited: look again */
 		lock_shard_metadata(shard);
 		locked = shard;
 		AcceptInvalidationMessages();
 		InvalidateCatalogSnapshot();
 	}
 	SetUserIdAndSecContext(saved_userid, saved_sec_context);
+	return shard;
+}
 
-	group = idem_citus_local_group();
-	relid = placed_in_group(shard, group) ? shard_relation(shell, shard) : InvalidOid;
+/*
+ * Did Citus send this backend its query: is it one of the connections a
+ * Citus node opens to another (application_name "citus_internal gpid=N",
+ * as Citus names them)?
+ */
+static bool
+sent_by_citus(void)
+{
+	return application_name != NULL &&
+		strncmp(application_name, "citus_internal gpid=", strlen("citus_internal gpid=")) == 0;
+}
+
+/*
+ * The shard of the hash-distributed table shell that holds value, when
+ * this node holds it: its OID, not locked, with the shard's metadata lock
+ * held until the end of the transaction.  Otherwise an ERROR: a retryable
+ * one (40001) when Citus sent the call here, where its metadata placed the
+ * shard when the call was planned and from where the shard has moved since
+ * (the move held the lock this call waited for); else one saying how to
+ * call the function so that Citus runs it where the shard is (55000).
+ */
+Oid
+idem_shard_for_value(Relation shell_rel, text *value, const char *function_name)
+{
+	Oid			shell = RelationGetRelid(shell_rel);
+	int64		shard = lock_shard_of_value(shell_rel, value, function_name);
+	Oid			relid;
+
+	relid = placed_in_group(shard, idem_citus_local_group()) ? shard_relation(shell, shard) : InvalidOid;
+	if (!OidIsValid(relid) && sent_by_citus())
+		ereport(ERROR,
+				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+				 errmsg("%s cannot run on this node: shard " INT64_FORMAT " of table \"%s.%s\" is no longer placed here",
+						function_name, shard,
+						get_namespace_name(get_rel_namespace(shell)), get_rel_name(shell)),
+				 errdetail("Citus sent the call to the node its metadata named for the shard when the call was planned, and the shard has moved to another node since."),
+				 errhint("Retry the transaction: Citus sends the call to the shard's new node.")));
 	if (!OidIsValid(relid))
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
@@ -370,6 +404,24 @@ idem_shard_for_value(Relation shell_rel, text *value, const char *function_name)
 				 errhint("Call it as a distributed function, as the whole query (SELECT idempotency.%.*s(...)), so that Citus runs it on the node of the shard; idempotency.idem_distribute() declares the functions.",
 						 (int) strcspn(function_name, "("), function_name)));
 	return relid;
+}
+
+/*
+ * Before Citus plans a call of function_name that it delegates to the node
+ * of the shard of shell that holds value: take that shard's metadata lock
+ * (ShareLock, until the end of the transaction) on the node that plans,
+ * and read the placement afresh, as Citus's executor does before a router
+ * write.  A shard move holds the lock (ExclusiveLock, on every node) from
+ * before its last catch-up until its switch of the placement commits: a
+ * call planned meanwhile waits, and Citus then sends it to the new node; a
+ * call that holds the lock first runs on the old node, and the move waits
+ * for it and copies its writes.  The shell and its colocated tables share
+ * the shard group, and so the lock.
+ */
+void
+idem_lock_shard_for_call(Relation shell_rel, text *value, const char *function_name)
+{
+	(void) lock_shard_of_value(shell_rel, value, function_name);
 }
 
 /*

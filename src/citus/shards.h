@@ -19,6 +19,8 @@ extern char idem_citus_partmethod(Oid relid);
 extern AttrNumber idem_citus_distribution_column(Oid relid);
 extern Oid	idem_shard_for_value(Relation shell, text *value,
 								 const char *function_name);
+extern void idem_lock_shard_for_call(Relation shell, text *value,
+									 const char *function_name);
 extern List *idem_local_shards(Oid shell);
 extern bool idem_lock_local_shard(Oid relid);
 extern int32 idem_citus_local_group(void);
