@@ -211,7 +211,7 @@ like($err, qr/ERROR:  55000: function pg_catalog.get_shard_id_for_distribution_c
 	SELECT idempotency.idem_claim('s', 'done');});
 like($err, qr/ERROR:  0A000: idempotency does not support this change to table "idempotency.keys"/,
 	'a Citus reference table is refused with 0A000');
-like($err, qr/DETAIL:  Citus manages it other than by hash distribution/, '... saying so');
+like($err, qr/DETAIL:  The cluster distributes it other than by hash/, '... saying so');
 
 ok(!$node->log_contains('terminated by signal|PANIC|TRAP:'), 'no backend crashed');
 $node->stop;
