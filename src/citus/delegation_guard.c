@@ -60,7 +60,8 @@
  * catalogs are read only for a call of a function of the schema
  * idempotency.
  *
- * Owns: the planner hook.
+ * Owns: the planner hook, installed only where Citus is loaded
+ *	  (idem_delegation_guard_register).
  * May call: citus/shards.h (whether Citus delegates a function, the
  *	  shard lock of a call).
  *
@@ -268,16 +269,15 @@ lock_shard_of_delegated_call(Query *parse, ParamListInfo params)
 	table_close(shell, NoLock);
 }
 
-static PlannedStmt *
-guard_planner(Query *parse, const char *query_string, int cursorOptions,
-			  ParamListInfo boundParams)
+/*
+ * Refuse the query if Citus would delegate one of our functions from it
+ * and crash; else, if it is a delegated call of ours, lock its shard.
+ */
+static void
+check_query(Query *parse, ParamListInfo boundParams)
 {
 	DelegatedCall call = {InvalidOid, InvalidOid};
 
-	/* a database without Citus's metadata delegates nothing */
-	if (parse->commandType != CMD_SELECT || parse->utilityStmt != NULL ||
-		!idem_cluster_metadata_exists())
-		goto plan;
 	if (has_subquery_or_with(parse) && !from_has_table(parse) &&
 		OidIsValid(call.schema = get_namespace_oid("idempotency", true)) &&
 		find_delegated_call((Node *) parse, &call))
@@ -293,7 +293,16 @@ guard_planner(Query *parse, const char *query_string, int cursorOptions,
 						 name)));
 	}
 	lock_shard_of_delegated_call(parse, boundParams);
-plan:
+}
+
+static PlannedStmt *
+guard_planner(Query *parse, const char *query_string, int cursorOptions,
+			  ParamListInfo boundParams)
+{
+	/* a database without Citus's metadata delegates nothing */
+	if (parse->commandType == CMD_SELECT && parse->utilityStmt == NULL &&
+		idem_cluster_metadata_exists())
+		check_query(parse, boundParams);
 	if (prev_planner_hook)
 		return prev_planner_hook(parse, query_string, cursorOptions, boundParams);
 	return standard_planner(parse, query_string, cursorOptions, boundParams);

@@ -26,11 +26,13 @@
  * catch-up.  The placement is read after that lock, from a fresh catalog
  * snapshot.
  *
- * Owns: the Citus lookups (partition method, shard id, local placement,
- *	  the shards placed on this node, this node's group, the functions Citus
- *	  delegates).
+ * Owns: the Citus lookups (how a table is distributed, shard id, local
+ *	  placement, the shards placed on this node, this node's group, the
+ *	  functions Citus delegates), and the caches of what they look up by
+ *	  name (the comment above callbacks_registered).
  * May call: the catalogs, and Citus's SQL functions through the fmgr.
- *	  Called by tables/tables.c and citus/delegation_guard.c.
+ *	  Called, through shards.h, by tables/, worker/purge.c, outbox/outbox_sql.c
+ *	  and citus/delegation_guard.c.
  *
  *-------------------------------------------------------------------------
  */
@@ -472,7 +474,7 @@ idem_distribution_column(Relation rel)
 }
 
 /*
- * A function of Citus's in pg_catalog, looked up once (see function_oids),
+ * A function of Citus's in pg_catalog, looked up once (function_oids),
  * or an ERROR saying Citus is missing.
  */
 static Oid
