@@ -60,7 +60,8 @@
  * catalogs are read only for a call of a function of the schema
  * idempotency.
  *
- * Owns: the planner hook.
+ * Owns: the planner hook, installed only where Citus is loaded
+ *	  (idem_delegation_guard_register).
  * May call: citus/shards.h (whether Citus delegates a function, the
  *	  shard lock of a call).
  *
@@ -76,6 +77,7 @@
 #include "optimizer/planner.h"
 #include "nodes/pathnodes.h"
 #include "parser/parsetree.h"
+#include "utils/guc.h"
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
 
@@ -162,7 +164,7 @@ find_delegated_call(Node *node, DelegatedCall *call)
 		Oid			fn = ((FuncExpr *) node)->funcid;
 
 		if (get_func_namespace(fn) == call->schema &&
-			idem_citus_delegates_function(fn))
+			idem_function_delegated(fn))
 		{
 			call->funcid = fn;
 			return true;
@@ -257,24 +259,26 @@ lock_shard_of_delegated_call(Query *parse, ParamListInfo params)
 	if (call == NULL ||
 		!OidIsValid(schema = get_namespace_oid("idempotency", true)) ||
 		get_func_namespace(call->funcid) != schema ||
-		!idem_citus_delegates_function(call->funcid) ||
+		!idem_function_delegated(call->funcid) ||
 		(value = first_argument(call, params)) == NULL ||
 		!OidIsValid(keys = get_relname_relid("keys", schema)) ||
-		idem_citus_partmethod(keys) != IDEM_CITUS_HASH)
+		idem_table_distribution(keys) != IDEM_DIST_HASH)
 		return;
 	shell = table_open(keys, AccessShareLock);
 	idem_lock_shard_for_call(shell, value, psprintf("%s()", get_func_name(call->funcid)));
 	table_close(shell, NoLock);
 }
 
-static PlannedStmt *
-guard_planner(Query *parse, const char *query_string, int cursorOptions,
-			  ParamListInfo boundParams)
+/*
+ * Refuse the query if Citus would delegate one of our functions from it
+ * and crash; else, if it is a delegated call of ours, lock its shard.
+ */
+static void
+check_query(Query *parse, ParamListInfo boundParams)
 {
 	DelegatedCall call = {InvalidOid, InvalidOid};
 
-	if (parse->commandType == CMD_SELECT && parse->utilityStmt == NULL &&
-		has_subquery_or_with(parse) && !from_has_table(parse) &&
+	if (has_subquery_or_with(parse) && !from_has_table(parse) &&
 		OidIsValid(call.schema = get_namespace_oid("idempotency", true)) &&
 		find_delegated_call((Node *) parse, &call))
 	{
@@ -288,16 +292,47 @@ guard_planner(Query *parse, const char *query_string, int cursorOptions,
 				 errhint("Call it as the whole query, SELECT ... FROM idempotency.%s(...), so that Citus runs it on the node of the shard, and run the rest as a statement of its own.",
 						 name)));
 	}
-	if (parse->commandType == CMD_SELECT && parse->utilityStmt == NULL)
-		lock_shard_of_delegated_call(parse, boundParams);
+	lock_shard_of_delegated_call(parse, boundParams);
+}
+
+static PlannedStmt *
+guard_planner(Query *parse, const char *query_string, int cursorOptions,
+			  ParamListInfo boundParams)
+{
+	/* a database without Citus's metadata delegates nothing */
+	if (parse->commandType == CMD_SELECT && parse->utilityStmt == NULL &&
+		idem_cluster_metadata_exists())
+		check_query(parse, boundParams);
 	if (prev_planner_hook)
 		return prev_planner_hook(parse, query_string, cursorOptions, boundParams);
 	return standard_planner(parse, query_string, cursorOptions, boundParams);
 }
 
+/*
+ * Is Citus loaded in this process: has it defined its setting citus.version
+ * (not a placeholder that a configuration file made)?
+ */
+static bool
+citus_loaded(void)
+{
+	return GetConfigOption("citus.version", true, false) != NULL &&
+		!(GetConfigOptionFlags("citus.version", true) & GUC_CUSTOM_PLACEHOLDER);
+}
+
+/*
+ * From _PG_init: install the hook, only where Citus is loaded.  Citus can
+ * be loaded only through shared_preload_libraries, and it refuses to load
+ * after a library that set a hook (as ours does when preloaded: the DDL
+ * guard's): so Citus is either loaded already when this library is,
+ * preloaded or not, or never in this process.  Where Citus is loaded but a
+ * database has not its extension, the hook returns at once
+ * (idem_cluster_metadata_exists, cached).
+ */
 void
 idem_delegation_guard_register(void)
 {
+	if (!citus_loaded())
+		return;
 	prev_planner_hook = planner_hook;
 	planner_hook = guard_planner;
 }

@@ -26,11 +26,13 @@
  * catch-up.  The placement is read after that lock, from a fresh catalog
  * snapshot.
  *
- * Owns: the Citus lookups (partition method, shard id, local placement,
- *	  the shards placed on this node, this node's group, the functions Citus
- *	  delegates).
+ * Owns: the Citus lookups (how a table is distributed, shard id, local
+ *	  placement, the shards placed on this node, this node's group, the
+ *	  functions Citus delegates), and the caches of what they look up by
+ *	  name (the comment above callbacks_registered).
  * May call: the catalogs, and Citus's SQL functions through the fmgr.
- *	  Called by tables/tables.c and citus/delegation_guard.c.
+ *	  Called, through shards.h, by tables/, worker/purge.c, outbox/outbox_sql.c
+ *	  and citus/delegation_guard.c.
  *
  *-------------------------------------------------------------------------
  */
@@ -58,34 +60,235 @@
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
 #include "utils/snapmgr.h"
+#include "utils/syscache.h"
 
 #include "citus/shards.h"
 
-/* pg_dist_partition (logicalrelid, partmethod, ...) */
-#define Anum_dist_partition_logicalrelid 1
-#define Anum_dist_partition_partmethod 2
-#define Anum_dist_partition_partkey 3
-/* pg_dist_shard (logicalrelid, shardid, ...) */
-#define Anum_dist_shard_logicalrelid 1
-#define Anum_dist_shard_shardid 2
-/* pg_dist_placement (placementid, shardid, shardstate, shardlength, groupid) */
-#define Anum_dist_placement_shardid 2
-#define Anum_dist_placement_groupid 5
-/* pg_dist_object (classid, objid, objsubid, type, object_names, object_args,
- * distribution_argument_index, ...) */
-#define Anum_dist_object_classid 1
-#define Anum_dist_object_objid 2
-#define Anum_dist_object_distribution_argument_index 7
-/* pg_dist_local_group (groupid) */
-#define Anum_dist_local_group_groupid 1
-
-static Oid
-citus_catalog(const char *name)
+/*
+ * Citus's catalogs (in pg_catalog) and the columns of theirs that are read,
+ * by name.
+ */
+typedef enum DistCatalog
 {
-	return get_relname_relid(name, PG_CATALOG_NAMESPACE);
+	DIST_PARTITION,
+	DIST_SHARD,
+	DIST_PLACEMENT,
+	DIST_OBJECT,
+	DIST_LOCAL_GROUP,
+	NUM_DIST_CATALOGS
+} DistCatalog;
+
+static const char *const catalog_names[NUM_DIST_CATALOGS] = {
+	[DIST_PARTITION] = "pg_dist_partition",
+	[DIST_SHARD] = "pg_dist_shard",
+	[DIST_PLACEMENT] = "pg_dist_placement",
+	[DIST_OBJECT] = "pg_dist_object",
+	[DIST_LOCAL_GROUP] = "pg_dist_local_group",
+};
+
+/* the index scanned, where Citus has one on the columns looked up by */
+static const char *const catalog_indexes[NUM_DIST_CATALOGS] = {
+	[DIST_PLACEMENT] = "pg_dist_placement_shardid_index",
+	[DIST_OBJECT] = "pg_dist_object_pkey",
+};
+
+typedef enum DistColumn
+{
+	PARTITION_LOGICALRELID,
+	PARTITION_PARTMETHOD,
+	PARTITION_PARTKEY,
+	SHARD_LOGICALRELID,
+	SHARD_SHARDID,
+	PLACEMENT_SHARDID,
+	PLACEMENT_GROUPID,
+	OBJECT_CLASSID,
+	OBJECT_OBJID,
+	OBJECT_DISTRIBUTION_ARGUMENT_INDEX,
+	LOCAL_GROUP_GROUPID,
+	NUM_DIST_COLUMNS
+} DistColumn;
+
+static const struct
+{
+	DistCatalog catalog;
+	const char *name;
+	Oid			typid;			/* the type Citus gives it */
+}			column_defs[NUM_DIST_COLUMNS] = {
+	[PARTITION_LOGICALRELID] = {DIST_PARTITION, "logicalrelid", REGCLASSOID},
+	[PARTITION_PARTMETHOD] = {DIST_PARTITION, "partmethod", CHAROID},
+	[PARTITION_PARTKEY] = {DIST_PARTITION, "partkey", TEXTOID},
+	[SHARD_LOGICALRELID] = {DIST_SHARD, "logicalrelid", REGCLASSOID},
+	[SHARD_SHARDID] = {DIST_SHARD, "shardid", INT8OID},
+	[PLACEMENT_SHARDID] = {DIST_PLACEMENT, "shardid", INT8OID},
+	[PLACEMENT_GROUPID] = {DIST_PLACEMENT, "groupid", INT4OID},
+	[OBJECT_CLASSID] = {DIST_OBJECT, "classid", OIDOID},
+	[OBJECT_OBJID] = {DIST_OBJECT, "objid", OIDOID},
+	[OBJECT_DISTRIBUTION_ARGUMENT_INDEX] = {DIST_OBJECT, "distribution_argument_index", INT4OID},
+	[LOCAL_GROUP_GROUPID] = {DIST_LOCAL_GROUP, "groupid", INT4OID},
+};
+
+/*
+ * What is looked up by name once and kept until an invalidation drops it
+ * (forget_relation, forget_names, forget_functions):
+ *
+ * - the catalogs' and indexes' OIDs (InvalidOid: no such catalog, Citus
+ *	 is not installed in this database) and the columns' attribute numbers
+ *	 (InvalidAttrNumber: no such column of that type: a catalog made or
+ *	 altered by hand is read, never trusted): dropped when the relcache
+ *	 entry of one of the catalogs is (ALTER, DROP EXTENSION citus), and,
+ *	 while a catalog is missing, when any name in pg_class changes
+ *	 (CREATE EXTENSION citus);
+ * - how each table that was asked about is distributed: dropped with the
+ *	 table's relcache entry, which Citus invalidates whenever its row in
+ *	 pg_dist_partition changes (and with the catalogs);
+ * - whether a function is delegated, and this node's group: dropped when
+ *	 Citus invalidates pg_dist_object's or pg_dist_local_group's relcache
+ *	 entry, as it does on every change of theirs (and with the catalogs);
+ * - the OIDs of Citus's functions called: dropped on any change in
+ *	 pg_proc's names.
+ *
+ * The placements (pg_dist_placement) and shards (pg_dist_shard) are read
+ * afresh every time, after the shard's lock: a move changes them.
+ */
+static bool callbacks_registered = false;
+static bool names_known = false;
+static bool catalog_missing = false;
+static Oid	catalog_oids[NUM_DIST_CATALOGS];
+static Oid	index_oids[NUM_DIST_CATALOGS];
+static AttrNumber column_attnums[NUM_DIST_COLUMNS];
+
+#define MAX_KNOWN_TABLES 16
+static struct
+{
+	Oid			relid;
+	IdemDistribution distribution;
+	AttrNumber	column;
+}			known_tables[MAX_KNOWN_TABLES];
+static int	next_known_table = 0;
+
+#define MAX_KNOWN_FUNCTIONS 64
+static struct
+{
+	Oid			funcid;
+	bool		delegated;
+}			known_functions[MAX_KNOWN_FUNCTIONS];
+static int	next_known_function = 0;
+
+static bool group_known = false;
+static int32 known_group = -1;
+
+/* Citus's functions that are called, by name and argument types */
+typedef enum DistFunction
+{
+	FN_SHARD_ID_FOR_VALUE,
+	FN_LOCK_SHARD_METADATA,
+	NUM_DIST_FUNCTIONS
+} DistFunction;
+
+static Oid	function_oids[NUM_DIST_FUNCTIONS];
+
+static void
+forget_facts(void)
+{
+	memset(known_tables, 0, sizeof(known_tables));
+	memset(known_functions, 0, sizeof(known_functions));
+	group_known = false;
 }
 
-/* One column of the rows of a Citus catalog that citus_catalog_column read. */
+static void
+forget_names(void)
+{
+	names_known = false;
+	forget_facts();
+}
+
+/* relcache invalidation: see above */
+static void
+forget_relation(Datum arg, Oid relid)
+{
+	if (!OidIsValid(relid))
+	{
+		forget_names();
+		return;
+	}
+	for (int i = 0; i < NUM_DIST_CATALOGS; i++)
+		if (names_known && relid == catalog_oids[i])
+		{
+			forget_names();
+			return;
+		}
+	for (int i = 0; i < MAX_KNOWN_TABLES; i++)
+		if (known_tables[i].relid == relid)
+			known_tables[i].relid = InvalidOid;
+}
+
+/* pg_class's names changed (or a cache reset): only a missing catalog cares */
+static void
+forget_missing_names(Datum arg, int cacheid, uint32 hashvalue)
+{
+	if (hashvalue == 0 || catalog_missing)
+		forget_names();
+}
+
+static void
+forget_functions(Datum arg, int cacheid, uint32 hashvalue)
+{
+	memset(function_oids, 0, sizeof(function_oids));
+}
+
+static void
+register_callbacks(void)
+{
+	if (callbacks_registered)
+		return;
+	CacheRegisterRelcacheCallback(forget_relation, (Datum) 0);
+	CacheRegisterSyscacheCallback(RELNAMENSP, forget_missing_names, (Datum) 0);
+	CacheRegisterSyscacheCallback(PROCNAMEARGSNSP, forget_functions, (Datum) 0);
+	callbacks_registered = true;
+}
+
+/* Look the catalogs and their columns up by name, unless known already. */
+static void
+know_names(void)
+{
+	register_callbacks();
+	if (names_known)
+		return;
+	catalog_missing = false;
+	for (int i = 0; i < NUM_DIST_CATALOGS; i++)
+	{
+		catalog_oids[i] = get_relname_relid(catalog_names[i], PG_CATALOG_NAMESPACE);
+		index_oids[i] = catalog_indexes[i] != NULL ?
+			get_relname_relid(catalog_indexes[i], PG_CATALOG_NAMESPACE) : InvalidOid;
+		if (!OidIsValid(catalog_oids[i]))
+			catalog_missing = true;
+	}
+	for (int i = 0; i < NUM_DIST_COLUMNS; i++)
+	{
+		Oid			catalog = catalog_oids[column_defs[i].catalog];
+		AttrNumber	attnum = OidIsValid(catalog) ?
+			get_attnum(catalog, column_defs[i].name) : InvalidAttrNumber;
+
+		if (attnum != InvalidAttrNumber &&
+			get_atttype(catalog, attnum) != column_defs[i].typid)
+			attnum = InvalidAttrNumber;
+		column_attnums[i] = attnum;
+	}
+	names_known = true;
+}
+
+/*
+ * Is Citus's metadata in this database at all (its catalog of distributed
+ * tables)?  Cheap once known.
+ */
+bool
+idem_cluster_metadata_exists(void)
+{
+	know_names();
+	return OidIsValid(catalog_oids[DIST_PARTITION]);
+}
+
+/* One column of the rows of a Citus catalog that catalog_column read. */
 typedef struct CitusColumn
 {
 	int			nrows;			/* -1: no such catalog (Citus is not installed) */
@@ -93,96 +296,91 @@ typedef struct CitusColumn
 	bool	   *nulls;
 } CitusColumn;
 
+/* A scan key on a catalog's column: key_column's attnum, or false. */
+static bool
+column_key(ScanKey key, DistColumn column, RegProcedure eqproc, Datum value)
+{
+	if (column_attnums[column] == InvalidAttrNumber)
+		return false;
+	ScanKeyInit(key, column_attnums[column], BTEqualStrategyNumber, eqproc, value);
+	return true;
+}
+
 /*
- * Column attnum, of type typid, of the rows of Citus's catalog name (in
- * pg_catalog) that match the scan keys (on the catalog's attribute
- * numbers), in the order of its index index_name where Citus has it, read
- * once, the catalog closed again.  A column the catalog lacks or has of
- * another type reads as NULL: a catalog made or altered by hand is read,
- * never trusted.
+ * Column column of the rows of its catalog that match the scan keys, in
+ * the order of the catalog's index where Citus has one, read once, the
+ * catalog closed again.  No rows (-1) when the catalog or a key's column
+ * is missing; NULLs when the column is.
  */
 static CitusColumn
-citus_catalog_column(const char *name, const char *index_name, int nkeys, ScanKey keys,
-					 AttrNumber attnum, Oid typid)
+catalog_column(DistColumn column, int nkeys, ScanKey keys, bool keys_valid)
 {
-	Oid			catalog_id = citus_catalog(name);
-	Oid			index_id = index_name != NULL ? citus_catalog(index_name) : InvalidOid;
-	CitusColumn column = {-1, NULL, NULL};
+	DistCatalog which = column_defs[column].catalog;
+	Oid			catalog_id;
+	Oid			index_id;
+	AttrNumber	attnum;
+	CitusColumn result = {-1, NULL, NULL};
 	int			capacity = 4;
 	Relation	catalog;
-	TupleDesc	desc;
-	Form_pg_attribute att;
+	Form_pg_attribute att = NULL;
 	SysScanDesc scan;
 	HeapTuple	tuple;
 
-	if (!OidIsValid(catalog_id))
-		return column;
+	know_names();
+	catalog_id = catalog_oids[which];
+	index_id = index_oids[which];
+	attnum = column_attnums[column];
+	if (!OidIsValid(catalog_id) || !keys_valid)
+		return result;
 	catalog = table_open(catalog_id, AccessShareLock);
-	desc = RelationGetDescr(catalog);
-	att = attnum <= desc->natts ? TupleDescAttr(desc, attnum - 1) : NULL;
-	if (att != NULL && (att->attisdropped || att->atttypid != typid))
-		att = NULL;
-	column.nrows = 0;
-	column.values = palloc(sizeof(Datum) * capacity);
-	column.nulls = palloc(sizeof(bool) * capacity);
+	if (attnum != InvalidAttrNumber)
+		att = TupleDescAttr(RelationGetDescr(catalog), attnum - 1);
+	result.nrows = 0;
+	result.values = palloc(sizeof(Datum) * capacity);
+	result.nulls = palloc(sizeof(bool) * capacity);
 	scan = systable_beginscan(catalog, index_id, OidIsValid(index_id), NULL, nkeys, keys);
 	while (HeapTupleIsValid(tuple = systable_getnext(scan)))
 	{
 		Datum		value = (Datum) 0;
 		bool		isnull = true;
 
-		if (column.nrows == capacity)
+		if (result.nrows == capacity)
 		{
 			capacity *= 2;
-			column.values = repalloc(column.values, sizeof(Datum) * capacity);
-			column.nulls = repalloc(column.nulls, sizeof(bool) * capacity);
+			result.values = repalloc(result.values, sizeof(Datum) * capacity);
+			result.nulls = repalloc(result.nulls, sizeof(bool) * capacity);
 		}
 		if (att != NULL)
-			value = heap_getattr(tuple, attnum, desc, &isnull);
-		column.values[column.nrows] = isnull ? (Datum) 0 :
+			value = heap_getattr(tuple, attnum, RelationGetDescr(catalog), &isnull);
+		result.values[result.nrows] = isnull ? (Datum) 0 :
 			datumCopy(value, att->attbyval, att->attlen);
-		column.nulls[column.nrows++] = isnull;
+		result.nulls[result.nrows++] = isnull;
 	}
 	systable_endscan(scan);
 	table_close(catalog, AccessShareLock);
-	return column;
+	return result;
 }
 
 /*
  * A column of the table's row in pg_dist_partition; false when Citus does
  * not know the table (or is not installed).  NULL (*isnull) too when the
- * catalog has no such column of the type Citus gives it (typid).
+ * catalog has no such column of the type Citus gives it.
  */
 static bool
-dist_partition_attr(Oid relid, AttrNumber attnum, Oid typid, Datum *value, bool *isnull)
+dist_partition_attr(Oid relid, DistColumn column, Datum *value, bool *isnull)
 {
 	ScanKeyData key;
-	CitusColumn column;
+	CitusColumn rows;
+	bool		valid;
 
-	ScanKeyInit(&key, Anum_dist_partition_logicalrelid, BTEqualStrategyNumber,
-				F_OIDEQ, ObjectIdGetDatum(relid));
-	column = citus_catalog_column("pg_dist_partition", NULL, 1, &key, attnum, typid);
-	if (column.nrows <= 0)
+	know_names();
+	valid = column_key(&key, PARTITION_LOGICALRELID, F_OIDEQ, ObjectIdGetDatum(relid));
+	rows = catalog_column(column, 1, &key, valid);
+	if (rows.nrows <= 0)
 		return false;
-	*value = column.values[0];
-	*isnull = column.nulls[0];
+	*value = rows.values[0];
+	*isnull = rows.nulls[0];
 	return true;
-}
-
-/*
- * How Citus distributes the table: its partmethod in pg_dist_partition
- * ('h' hash, 'n' none, i.e. a reference or Citus local table, ...), or
- * '\0' when Citus does not know it (or is not installed).
- */
-char
-idem_citus_partmethod(Oid relid)
-{
-	Datum		value;
-	bool		isnull;
-
-	if (!dist_partition_attr(relid, Anum_dist_partition_partmethod, CHAROID, &value, &isnull))
-		return '\0';
-	return isnull ? '?' : DatumGetChar(value);
 }
 
 /*
@@ -191,8 +389,8 @@ idem_citus_partmethod(Oid relid)
  * ..."), or InvalidAttrNumber when there is none (a reference table) or
  * Citus does not know the table.
  */
-AttrNumber
-idem_citus_distribution_column(Oid relid)
+static AttrNumber
+partkey_column(Oid relid)
 {
 	Datum		value;
 	bool		isnull;
@@ -200,7 +398,7 @@ idem_citus_distribution_column(Oid relid)
 	char	   *field;
 	AttrNumber	attnum = InvalidAttrNumber;
 
-	if (!dist_partition_attr(relid, Anum_dist_partition_partkey, TEXTOID, &value, &isnull) || isnull)
+	if (!dist_partition_attr(relid, PARTITION_PARTKEY, &value, &isnull) || isnull)
 		return InvalidAttrNumber;
 	partkey = TextDatumGetCString(value);
 	field = strstr(partkey, ":varattno ");
@@ -210,14 +408,86 @@ idem_citus_distribution_column(Oid relid)
 	return attnum;
 }
 
-/* A function of Citus's in pg_catalog, or an ERROR saying Citus is missing. */
-static Oid
-citus_function(const char *name, int nargs, const Oid *argtypes)
+/* The known_tables entry of the table, read from pg_dist_partition if not known. */
+static int
+known_table(Oid relid)
 {
-	Oid			fn = LookupFuncName(list_make2(makeString("pg_catalog"),
-											   makeString((char *) name)),
-									nargs, argtypes, true);
+	int			slot;
+	Datum		value;
+	bool		isnull;
+	IdemDistribution distribution = IDEM_DIST_LOCAL;
+	AttrNumber	column = InvalidAttrNumber;
 
+	know_names();
+	for (int i = 0; i < MAX_KNOWN_TABLES; i++)
+		if (known_tables[i].relid == relid)
+			return i;
+	/*
+	 * pg_dist_partition.partmethod: 'h' hash; 'n' none (a reference or
+	 * Citus local table), 'r' range, 'a' append, or NULL in a catalog made
+	 * by hand: other.
+	 */
+	if (dist_partition_attr(relid, PARTITION_PARTMETHOD, &value, &isnull))
+	{
+		distribution = !isnull && DatumGetChar(value) == 'h' ?
+			IDEM_DIST_HASH : IDEM_DIST_OTHER;
+		if (distribution == IDEM_DIST_HASH)
+			column = partkey_column(relid);
+	}
+	slot = next_known_table;
+	next_known_table = (next_known_table + 1) % MAX_KNOWN_TABLES;
+	known_tables[slot].relid = relid;
+	known_tables[slot].distribution = distribution;
+	known_tables[slot].column = column;
+	return slot;
+}
+
+/*
+ * How the cluster distributes the table: not at all (an ordinary table,
+ * or Citus is not installed), by hash (its rows are in shards), or some
+ * other way.
+ */
+IdemDistribution
+idem_table_distribution(Oid relid)
+{
+	return known_tables[known_table(relid)].distribution;
+}
+
+/*
+ * The name of the column a hash-distributed table is distributed by; an
+ * ERROR when Citus's catalog does not say (a usable partkey).
+ */
+const char *
+idem_distribution_column(Relation rel)
+{
+	AttrNumber	attnum = known_tables[known_table(RelationGetRelid(rel))].column;
+	TupleDesc	desc = RelationGetDescr(rel);
+
+	if (attnum > 0 && attnum <= desc->natts && !TupleDescAttr(desc, attnum - 1)->attisdropped)
+		return NameStr(TupleDescAttr(desc, attnum - 1)->attname);
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+			 errmsg("Citus's catalog does not say which column table \"%s.%s\" is distributed by",
+					get_namespace_name(RelationGetNamespace(rel)), RelationGetRelationName(rel)),
+			 errdetail("pg_dist_partition lists it as hash-distributed, with no usable partkey.")));
+	return NULL;				/* not reached */
+}
+
+/*
+ * A function of Citus's in pg_catalog, looked up once (function_oids),
+ * or an ERROR saying Citus is missing.
+ */
+static Oid
+citus_function(DistFunction which, const char *name, int nargs, const Oid *argtypes)
+{
+	Oid			fn = function_oids[which];
+
+	register_callbacks();
+	if (OidIsValid(fn))
+		return fn;
+	fn = LookupFuncName(list_make2(makeString("pg_catalog"), makeString((char *) name)),
+						nargs, argtypes, true);
+	function_oids[which] = fn;
 	if (!OidIsValid(fn))
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
@@ -236,7 +506,7 @@ static int64
 shard_id_for_value(Oid shell, text *value)
 {
 	static const Oid argtypes[2] = {REGCLASSOID, ANYOID};
-	Oid			fn = citus_function("get_shard_id_for_distribution_column", 2, argtypes);
+	Oid			fn = citus_function(FN_SHARD_ID_FOR_VALUE, "get_shard_id_for_distribution_column", 2, argtypes);
 	FmgrInfo	flinfo;
 	FuncExpr   *expr;
 	Datum		result;
@@ -267,7 +537,7 @@ static void
 lock_shard_metadata(int64 shard)
 {
 	static const Oid argtypes[2] = {INT4OID, INT8ARRAYOID};
-	Oid			fn = citus_function("lock_shard_metadata", 2, argtypes);
+	Oid			fn = citus_function(FN_LOCK_SHARD_METADATA, "lock_shard_metadata", 2, argtypes);
 	Datum		element = Int64GetDatum(shard);
 	ArrayType  *shards = construct_array(&element, 1, INT8OID, sizeof(int64),
 										 FLOAT8PASSBYVAL, TYPALIGN_DOUBLE);
@@ -277,12 +547,17 @@ lock_shard_metadata(int64 shard)
 
 /* This node's group in the cluster (pg_dist_local_group), or -1. */
 int32
-idem_citus_local_group(void)
+idem_node_group(void)
 {
-	CitusColumn column = citus_catalog_column("pg_dist_local_group", NULL, 0, NULL,
-											  Anum_dist_local_group_groupid, INT4OID);
+	CitusColumn column;
 
-	return column.nrows > 0 && !column.nulls[0] ? DatumGetInt32(column.values[0]) : -1;
+	know_names();
+	if (group_known)
+		return known_group;
+	column = catalog_column(LOCAL_GROUP_GROUPID, 0, NULL, true);
+	known_group = column.nrows > 0 && !column.nulls[0] ? DatumGetInt32(column.values[0]) : -1;
+	group_known = true;
+	return known_group;
 }
 
 /* Has the shard a placement in this group? */
@@ -291,11 +566,11 @@ placed_in_group(int64 shard, int32 group)
 {
 	ScanKeyData key;
 	CitusColumn column;
+	bool		valid;
 
-	ScanKeyInit(&key, Anum_dist_placement_shardid, BTEqualStrategyNumber,
-				F_INT8EQ, Int64GetDatum(shard));
-	column = citus_catalog_column("pg_dist_placement", "pg_dist_placement_shardid_index",
-								  1, &key, Anum_dist_placement_groupid, INT4OID);
+	know_names();
+	valid = column_key(&key, PLACEMENT_SHARDID, F_INT8EQ, Int64GetDatum(shard));
+	column = catalog_column(PLACEMENT_GROUPID, 1, &key, valid);
 	for (int i = 0; i < column.nrows; i++)
 		if (!column.nulls[i] && DatumGetInt32(column.values[i]) == group)
 			return true;
@@ -384,7 +659,7 @@ idem_shard_for_value(Relation shell_rel, text *value, const char *function_name)
 	int64		shard = lock_shard_of_value(shell_rel, value, function_name);
 	Oid			relid;
 
-	relid = placed_in_group(shard, idem_citus_local_group()) ? shard_relation(shell, shard) : InvalidOid;
+	relid = placed_in_group(shard, idem_node_group()) ? shard_relation(shell, shard) : InvalidOid;
 	if (!OidIsValid(relid) && sent_by_citus())
 		ereport(ERROR,
 				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
@@ -436,14 +711,14 @@ idem_local_shards(Oid shell)
 	CitusColumn column;
 	int32		group;
 	List	   *shards = NIL;
+	bool		valid;
 
-	ScanKeyInit(&key, Anum_dist_shard_logicalrelid, BTEqualStrategyNumber,
-				F_OIDEQ, ObjectIdGetDatum(shell));
-	column = citus_catalog_column("pg_dist_shard", NULL, 1, &key,
-								  Anum_dist_shard_shardid, INT8OID);
+	know_names();
+	valid = column_key(&key, SHARD_LOGICALRELID, F_OIDEQ, ObjectIdGetDatum(shell));
+	column = catalog_column(SHARD_SHARDID, 1, &key, valid);
 	if (column.nrows <= 0)
 		return NIL;
-	group = idem_citus_local_group();
+	group = idem_node_group();
 	for (int i = 0; i < column.nrows; i++)
 	{
 		Oid			relid;
@@ -484,7 +759,7 @@ idem_lock_local_shard(Oid relid)
 	lock_shard_metadata(shard);
 	AcceptInvalidationMessages();
 	InvalidateCatalogSnapshot();
-	return placed_in_group(shard, idem_citus_local_group());
+	return placed_in_group(shard, idem_node_group());
 }
 
 /*
@@ -493,19 +768,27 @@ idem_lock_local_shard(Oid relid)
  * False where Citus is not installed.
  */
 bool
-idem_citus_delegates_function(Oid funcid)
+idem_function_delegated(Oid funcid)
 {
 	ScanKeyData keys[2];
 	CitusColumn column;
+	bool		valid;
+	bool		delegated = false;
+	int			slot;
 
-	ScanKeyInit(&keys[0], Anum_dist_object_classid, BTEqualStrategyNumber,
-				F_OIDEQ, ObjectIdGetDatum(ProcedureRelationId));
-	ScanKeyInit(&keys[1], Anum_dist_object_objid, BTEqualStrategyNumber,
-				F_OIDEQ, ObjectIdGetDatum(funcid));
-	column = citus_catalog_column("pg_dist_object", "pg_dist_object_pkey", 2, keys,
-								  Anum_dist_object_distribution_argument_index, INT4OID);
+	know_names();
+	for (int i = 0; i < MAX_KNOWN_FUNCTIONS; i++)
+		if (known_functions[i].funcid == funcid)
+			return known_functions[i].delegated;
+	valid = column_key(&keys[0], OBJECT_CLASSID, F_OIDEQ, ObjectIdGetDatum(ProcedureRelationId)) &&
+		column_key(&keys[1], OBJECT_OBJID, F_OIDEQ, ObjectIdGetDatum(funcid));
+	column = catalog_column(OBJECT_DISTRIBUTION_ARGUMENT_INDEX, 2, keys, valid);
 	for (int i = 0; i < column.nrows; i++)
 		if (!column.nulls[i])
-			return true;
-	return false;
+			delegated = true;
+	slot = next_known_function;
+	next_known_function = (next_known_function + 1) % MAX_KNOWN_FUNCTIONS;
+	known_functions[slot].funcid = funcid;
+	known_functions[slot].delegated = delegated;
+	return delegated;
 }

@@ -435,9 +435,9 @@ idem_check_table(Relation heap, const ExpectedTable *def)
 	 * table (a reference or Citus local table, range or append
 	 * distribution) keeps its rows elsewhere than the direct path looks.
 	 */
-	if (idem_citus_partmethod(relid) != '\0')
+	if (idem_table_distribution(relid) != IDEM_DIST_LOCAL)
 		refuse(def, ERRCODE_FEATURE_NOT_SUPPORTED,
-			   "Citus manages it other than by hash distribution (a reference or Citus local table, or range distribution), and idempotency reads and writes a Citus table only in the shard that holds a distribution value.",
+			   "The cluster distributes it other than by hash (a reference table, a table local to the coordinator, or range distribution), and idempotency reads and writes a distributed table only in the shard that holds a distribution value.",
 			   psprintf("Distribute the extension's tables with SELECT idempotency.idem_distribute(), or undo it with SELECT undistribute_table('%s').",
 						qualified));
 }

@@ -150,8 +150,8 @@ static const ExpectedTable table_defs[IDEM_NUM_TABLES] = {
  * EXTENSION, a cache reset), so that the next open looks it up again.
  */
 static Oid	cached_relid[IDEM_NUM_TABLES];
-/* and how Citus distributes each (shards.h), '\0' when it does not */
-static char cached_partmethod[IDEM_NUM_TABLES];
+/* and how the cluster distributes each (citus/shards.h) */
+static IdemDistribution cached_distribution[IDEM_NUM_TABLES];
 
 /*
  * The shards of distributed tables that idem_check_table has passed since
@@ -163,8 +163,8 @@ static char cached_partmethod[IDEM_NUM_TABLES];
 static Oid	checked_shards[MAX_CHECKED_SHARDS];
 static Oid	cached_sequence = InvalidOid;	/* outbox ids, see idem_outbox_next_id */
 
-/* On Citus, the low bits of an outbox id that hold the node's group id */
-#define CITUS_GROUP_BITS 16
+/* Where the outbox is distributed, the low bits of an id that hold the node's group */
+#define NODE_GROUP_BITS 16
 
 /*
  * The row version this transaction wrote last, so that the next call about
@@ -229,7 +229,7 @@ check_table(Relation heap, const ExpectedTable *def)
 
 /*
  * Open one of our tables, locked until the end of the transaction: the
- * table itself, or the shell of one that Citus hash-distributes (*partmethod
+ * table itself, or the shell of one that Citus hash-distributes (*distribution
  * says which: see idem_relation_open for its rows).
  *
  * The OID found last time is locked first: taking the lock processes any
@@ -253,31 +253,21 @@ check_distribution_column(Relation heap, IdemTable table)
 		[IDEM_TABLE_EVENTS] = "consumer",
 		[IDEM_TABLE_OUTBOX] = "topic",
 	};
-	AttrNumber	attnum = idem_citus_distribution_column(RelationGetRelid(heap));
-	TupleDesc	desc = RelationGetDescr(heap);
-	const char *actual = NULL;
+	const char *actual = idem_distribution_column(heap);
 
-	if (attnum > 0 && attnum <= desc->natts && !TupleDescAttr(desc, attnum - 1)->attisdropped)
-		actual = NameStr(TupleDescAttr(desc, attnum - 1)->attname);
-	if (actual == NULL)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("Citus's catalog does not say which column table \"%s.%s\" is distributed by",
-						IDEM_SCHEMA, RelationGetRelationName(heap)),
-				 errdetail("pg_dist_partition lists it as hash-distributed, with no usable partkey.")));
 	if (strcmp(actual, expected[table]) != 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 				 errmsg("table \"%s.%s\" is distributed by column \"%s\", not by \"%s\"",
 						IDEM_SCHEMA, RelationGetRelationName(heap),
 						actual, expected[table]),
-				 errdetail("The functions find a row's shard by its \"%s\"; Citus would look for it in another shard.",
+				 errdetail("The functions find a row's shard by its \"%s\"; the cluster would look for it in another shard.",
 						   expected[table]),
 				 errhint("Undistribute it (undistribute_table) and run idempotency.idem_distribute().")));
 }
 
 static Relation
-open_table(IdemTable table, LOCKMODE lockmode, char *partmethod)
+open_table(IdemTable table, LOCKMODE lockmode, IdemDistribution *distribution)
 {
 	const ExpectedTable *def = &table_defs[table];
 	Oid			relid = cached_relid[table];
@@ -294,7 +284,7 @@ open_table(IdemTable table, LOCKMODE lockmode, char *partmethod)
 		LockRelationOid(relid, lockmode);
 		if (cached_relid[table] == relid)
 		{
-			*partmethod = cached_partmethod[table];
+			*distribution = cached_distribution[table];
 			return table_open(relid, NoLock);
 		}
 		UnlockRelationOid(relid, lockmode);
@@ -313,15 +303,15 @@ open_table(IdemTable table, LOCKMODE lockmode, char *partmethod)
 	 * checked instead, when they are opened (open_shard).  Any other kind
 	 * of Citus table is refused by the check.
 	 */
-	*partmethod = idem_citus_partmethod(relid);
-	if (*partmethod != IDEM_CITUS_HASH)
+	*distribution = idem_table_distribution(relid);
+	if (*distribution != IDEM_DIST_HASH)
 	{
 		if (!check_table(heap, def))
 			return heap;
 	}
 	else
 		check_distribution_column(heap, table);
-	cached_partmethod[table] = *partmethod;
+	cached_distribution[table] = *distribution;
 	cached_relid[table] = relid;
 	return heap;
 }
@@ -370,8 +360,8 @@ idem_table_def(IdemTable table)
 Oid
 idem_outbox_owner(int *natts)
 {
-	char		partmethod;
-	Relation	heap = open_table(IDEM_TABLE_OUTBOX, AccessShareLock, &partmethod);
+	IdemDistribution distribution;
+	Relation	heap = open_table(IDEM_TABLE_OUTBOX, AccessShareLock, &distribution);
 	Oid			owner = heap->rd_rel->relowner;
 
 	*natts = RelationGetDescr(heap)->natts;
@@ -392,12 +382,12 @@ Oid
 idem_table_owner(IdemTable table, text *value, LOCKMODE lockmode,
 				 const char *function_name, Oid *shard)
 {
-	char		partmethod;
-	Relation	heap = open_table(table, lockmode, &partmethod);
+	IdemDistribution distribution;
+	Relation	heap = open_table(table, lockmode, &distribution);
 	Oid			owner = heap->rd_rel->relowner;
 
 	*shard = InvalidOid;
-	if (partmethod == IDEM_CITUS_HASH)
+	if (distribution == IDEM_DIST_HASH)
 	{
 		Relation	rel = open_shard(table, heap, value, lockmode, function_name);
 
@@ -417,9 +407,9 @@ idem_table_owner(IdemTable table, text *value, LOCKMODE lockmode,
 Relation
 idem_outbox_open(LOCKMODE lockmode)
 {
-	char		partmethod;
+	IdemDistribution distribution;
 
-	return open_table(IDEM_TABLE_OUTBOX, lockmode, &partmethod);
+	return open_table(IDEM_TABLE_OUTBOX, lockmode, &distribution);
 }
 
 /*
@@ -430,11 +420,11 @@ idem_outbox_open(LOCKMODE lockmode)
 List *
 idem_table_parts(IdemTable table)
 {
-	char		partmethod;
-	Relation	heap = open_table(table, AccessShareLock, &partmethod);
+	IdemDistribution distribution;
+	Relation	heap = open_table(table, AccessShareLock, &distribution);
 	List	   *parts;
 
-	if (partmethod == IDEM_CITUS_HASH)
+	if (distribution == IDEM_DIST_HASH)
 		parts = idem_local_shards(RelationGetRelid(heap));
 	else
 		parts = list_make1_oid(RelationGetRelid(heap));
@@ -451,9 +441,9 @@ Relation
 idem_table_part_open(IdemTable table, Oid relid, LOCKMODE lockmode)
 {
 	Relation	heap;
-	char		partmethod;
+	IdemDistribution distribution;
 
-	heap = open_table(table, lockmode, &partmethod);
+	heap = open_table(table, lockmode, &distribution);
 	if (RelationGetRelid(heap) == relid)
 		return heap;
 	table_close(heap, NoLock);
@@ -477,11 +467,11 @@ Oid
 idem_table_shard_for(IdemTable table, text *value, LOCKMODE lockmode,
 					 const char *function_name)
 {
-	char		partmethod;
-	Relation	heap = open_table(table, lockmode, &partmethod);
+	IdemDistribution distribution;
+	Relation	heap = open_table(table, lockmode, &distribution);
 	Oid			shard = InvalidOid;
 
-	if (partmethod == IDEM_CITUS_HASH)
+	if (distribution == IDEM_DIST_HASH)
 	{
 		Relation	rel = open_shard(table, heap, value, lockmode, function_name);
 
@@ -500,11 +490,11 @@ idem_table_shard_for(IdemTable table, text *value, LOCKMODE lockmode,
 bool
 idem_table_distributed(IdemTable table)
 {
-	char		partmethod;
-	Relation	heap = open_table(table, AccessShareLock, &partmethod);
+	IdemDistribution distribution;
+	Relation	heap = open_table(table, AccessShareLock, &distribution);
 
 	table_close(heap, NoLock);
-	return partmethod == IDEM_CITUS_HASH;
+	return distribution == IDEM_DIST_HASH;
 }
 
 /*
@@ -518,14 +508,14 @@ void
 idem_relation_open(IdemRelation *rel, IdemTable table, LOCKMODE lockmode,
 				   text *value, const char *function_name)
 {
-	char		partmethod;
+	IdemDistribution distribution;
 
 	memset(rel, 0, sizeof(IdemRelation));
 	rel->table = table;
 	rel->lockmode = lockmode;
 	rel->mcxt = CurrentMemoryContext;
-	rel->heap = open_table(table, lockmode, &partmethod);
-	if (partmethod == IDEM_CITUS_HASH)
+	rel->heap = open_table(table, lockmode, &distribution);
+	if (distribution == IDEM_DIST_HASH)
 	{
 		Relation	shell = rel->heap;
 
@@ -1038,7 +1028,7 @@ idem_outbox_next_id(int64 floor)
 		cached_sequence = seqid;
 	}
 	/* the caller's EXECUTE on the enqueue function is the permission */
-	if (cached_partmethod[IDEM_TABLE_OUTBOX] != IDEM_CITUS_HASH)
+	if (cached_distribution[IDEM_TABLE_OUTBOX] != IDEM_DIST_HASH)
 		return nextval_internal(cached_sequence, false);
 
 	/*
@@ -1047,20 +1037,20 @@ idem_outbox_next_id(int64 floor)
 	 * nextval yet: see sequence_past.  And after nextval, if a value handed
 	 * out meanwhile made the look stale.
 	 */
-	group = Max(idem_citus_local_group(), 0);
+	group = Max(idem_node_group(), 0);
 	if (floor != PG_INT64_MIN &&
-		sequence_last_value(cached_sequence) <= (floor >> CITUS_GROUP_BITS))
-		value = sequence_past(cached_sequence, floor >> CITUS_GROUP_BITS);
+		sequence_last_value(cached_sequence) <= (floor >> NODE_GROUP_BITS))
+		value = sequence_past(cached_sequence, floor >> NODE_GROUP_BITS);
 	else
 		value = nextval_internal(cached_sequence, false);
-	if (floor != PG_INT64_MIN && value <= (floor >> CITUS_GROUP_BITS))
-		value = sequence_past(cached_sequence, floor >> CITUS_GROUP_BITS);
-	if (value >= (INT64CONST(1) << (63 - CITUS_GROUP_BITS)))
+	if (floor != PG_INT64_MIN && value <= (floor >> NODE_GROUP_BITS))
+		value = sequence_past(cached_sequence, floor >> NODE_GROUP_BITS);
+	if (value >= (INT64CONST(1) << (63 - NODE_GROUP_BITS)))
 		ereport(ERROR,
 				(errcode(ERRCODE_SEQUENCE_GENERATOR_LIMIT_EXCEEDED),
-				 errmsg("outbox id sequence \"%s.%s\" is past its limit on Citus (2^47)",
+				 errmsg("outbox id sequence \"%s.%s\" is past its limit for a distributed outbox (2^47)",
 						IDEM_SCHEMA, OUTBOX_SEQUENCE)));
-	return (value << CITUS_GROUP_BITS) | group;
+	return (value << NODE_GROUP_BITS) | group;
 }
 
 /*
@@ -1077,7 +1067,7 @@ idem_outbox_last_id(Relation heap, text *topic)
 	ListCell   *lc;
 	int64		last = PG_INT64_MIN;
 
-	if (cached_partmethod[IDEM_TABLE_OUTBOX] != IDEM_CITUS_HASH)
+	if (cached_distribution[IDEM_TABLE_OUTBOX] != IDEM_DIST_HASH)
 		return PG_INT64_MIN;
 	indexes = RelationGetIndexList(heap);
 

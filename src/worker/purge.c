@@ -597,7 +597,7 @@ purged_most_of_unit(void *arg)
 	 */
 	large = rel != NULL &&
 		(rel->rd_rel->reltuples < 0 || purged > 1000 + 0.2 * rel->rd_rel->reltuples) &&
-		idem_citus_partmethod(RelationGetRelid(rel)) == '\0';
+		idem_table_distribution(RelationGetRelid(rel)) == IDEM_DIST_LOCAL;
 	if (rel != NULL)
 		table_close(rel, AccessShareLock);
 	return large;
