@@ -98,7 +98,7 @@ sub extension_objects_query
 		                                                    || ' ' || convalidated, ', ' ORDER BY conname)
 		                                  FROM pg_constraint WHERE conrelid = d.objid), '')
 		              || ' ' || coalesce((SELECT string_agg(pg_get_indexdef(indexrelid), ', '
-		                                                    ORDER BY 1)
+		                                                    ORDER BY pg_get_indexdef(indexrelid))
 		                                  FROM pg_index WHERE indrelid = d.objid), '')
 		          END, '')
 		       || ' / ' || coalesce(obj_description(d.objid, d.classid::regclass::name), '')
