@@ -36,7 +36,8 @@ class Attempt {
       try {
         // BEGIN and the claim in one round trip (the simple protocol, so
         // the arguments are literals)
-        this.utf8 = await P.utf8Database(s.pool, client);
+        const utf8 = P.utf8Database(s.pool, client); // known after the pool's first time
+        this.utf8 = typeof utf8 === 'boolean' ? utf8 : await utf8;
         const [, result] = await client.query(`BEGIN; ${P.inline(P.CLAIM, args, this.utf8)}`);
         [claim] = result.rows;
       } catch (error) {
@@ -46,16 +47,20 @@ class Attempt {
       if (claim.outcome !== 'claimed') {
         // the answer does not wait for the ROLLBACK of a transaction that
         // wrote nothing; the client goes back to the pool after it
-        this.#rollback(client);
-        return P.answerTo(claim);
+        try {
+          return await P.answerTo(client, claim);
+        } finally {
+          this.#rollback(client);
+        }
       }
       this.client = client;
       this.transaction = client;
       client.on('error', this.#onLost);
     } else {
+      const leaseMs = await P.leaseMs(s); // before the claim: nothing to undo if it fails
       ({ rows: [claim] } = await s.pool.query(P.CLAIM, args));
-      if (claim.outcome !== 'claimed') return P.answerTo(claim);
-      this.#startHeartbeat(claim);
+      if (claim.outcome !== 'claimed') return P.answerTo(s.pool, claim);
+      this.#startHeartbeat(leaseMs);
     }
     this.attempt = claim.attempt;
     this.recoveryPoint = claim.recovery_point;
@@ -210,8 +215,8 @@ class Attempt {
   }
 
   // idem_extend_lease every third of the lease, until finish or abandon
-  #startHeartbeat(claim) {
-    const every = Math.max(10, (claim.lease_left_ms ?? 60000) / 3);
+  #startHeartbeat(leaseMs) {
+    const every = Math.max(10, leaseMs / 3);
     const s = this.settings;
     this.heartbeat = setInterval(() => {
       s.pool.query(P.EXTEND, [this.scope, this.key, this.attempt, s.lease]).catch((error) => {

@@ -4,7 +4,13 @@
 // extension, and the stored form of a response. lib/express.js and
 // lib/fastify.js put it on a request's lifecycle.
 
-const { createHash } = require('node:crypto');
+const crypto = require('node:crypto');
+
+// SHA-256 in hex of a string or bytes: crypto.hash (Node 20.12 and later)
+// makes no Hash object
+const sha256 = typeof crypto.hash === 'function'
+  ? (data) => crypto.hash('sha256', data, 'hex')
+  : (data) => crypto.createHash('sha256').update(data).digest('hex');
 const { isUtf8 } = require('node:buffer');
 
 const MAX_BYTES = 255;
@@ -14,9 +20,14 @@ const DEFAULT_STORE_HEADERS = [
   'last-modified', 'cache-control', 'vary',
 ];
 
-const CLAIM = `SELECT c.outcome, c.status_code, c.body, c.headers, c.attempt, c.recovery_point,
-       (extract(epoch FROM c.lease_expires_at - clock_timestamp()) * 1000)::float8 AS lease_left_ms
-FROM idempotency.idem_claim($1, $2, $3, $4::interval, $5::interval, $6::interval) AS c`;
+// lease_expires_at is the holder's, for a claim not won: the seconds left
+// are counted by the database's clock (which set the lease) only when a
+// 409 needs them (leaseSecondsLeft); the claim itself does no arithmetic,
+// which costs more than the claim's insert is worth on the hot path
+const CLAIM = `SELECT outcome, status_code, body, headers, attempt, recovery_point, lease_expires_at
+FROM idempotency.idem_claim($1, $2, $3, $4::interval, $5::interval, $6::interval)`;
+const LEASE_LEFT = "SELECT ceil(date_part('epoch', $1::timestamptz - clock_timestamp()))::int AS seconds";
+const LEASE_MS = "SELECT (date_part('epoch', $1::interval) * 1000)::float8 AS ms";
 const COMPLETE = 'SELECT idempotency.idem_complete($1, $2, $3, $4, $5, $6) AS done';
 // One-transaction mode, an answer the default policy stores: COMMIT
 // follows in the same query string, and must not run if the server's
@@ -39,14 +50,25 @@ const LOST_CLAIM = new Set(['22I01', '22I02', '22I03']);
 
 // A statement with its $n parameters as literals, for a query string of
 // several statements (node-postgres sends those by the simple protocol);
-// utf8: whether the database's encoding is UTF8 (see literal)
+// utf8: whether the database's encoding is UTF8 (see literal). Each
+// statement is split at its parameters once.
+const TEMPLATES = new Map();
 function inline(sql, args, utf8 = true) {
-  return sql.replace(/\$(\d+)/g, (_, n) => {
-    const value = args[n - 1];
-    if (value === null || value === undefined) return 'NULL';
-    if (Number.isSafeInteger(value)) return String(value);
-    return literal(String(value), utf8);
-  });
+  let parts = TEMPLATES.get(sql);
+  if (parts === undefined) {
+    parts = sql.split(/\$(\d+)/); // text, parameter number, text, ...
+    for (let i = 1; i < parts.length; i += 2) parts[i] = Number(parts[i]) - 1;
+    TEMPLATES.set(sql, parts);
+  }
+  let text = parts[0];
+  for (let i = 1; i < parts.length; i += 2) {
+    const value = args[parts[i]];
+    if (value === null || value === undefined) text += 'NULL';
+    else if (Number.isSafeInteger(value)) text += String(value);
+    else text += literal(String(value), utf8);
+    text += parts[i + 1];
+  }
+  return text;
 }
 
 // Every character but printable ASCII, the quote and the backslash
@@ -92,9 +114,15 @@ function escapeCharacter(c) {
 }
 
 // Whether a pool's database is in UTF8, asked once per pool on a client of
-// it (before the client's first query string with literals)
+// it (before the client's first query string with literals): the answer, or
+// the first time a promise of it
 const UTF8_DATABASE = new WeakMap();
-async function utf8Database(pool, client) {
+function utf8Database(pool, client) {
+  const known = UTF8_DATABASE.get(pool);
+  return known === undefined ? askUtf8Database(pool, client) : known;
+}
+
+async function askUtf8Database(pool, client) {
   let known = UTF8_DATABASE.get(pool);
   if (known === undefined) {
     const { rows: [row] } = await client.query("SELECT current_setting('server_encoding') = 'UTF8' AS utf8");
@@ -137,6 +165,7 @@ function settings(options = {}) {
     wait: interval(options.wait ?? 2000),
     // two transactions need a lease to count the heartbeat from: 60 s
     lease: interval(options.lease ?? (mode === 'two-transaction' ? 60000 : null)),
+    leaseOption: options.lease ?? (mode === 'two-transaction' ? 60000 : null),
     ttl: interval(options.ttl),
     mode,
     storeHeaders: (options.storeHeaders ?? DEFAULT_STORE_HEADERS).map((h) => h.toLowerCase()),
@@ -161,6 +190,8 @@ function readKey(header) {
   if (key.length >= 2 && key.startsWith('"') && key.endsWith('"')) {
     key = key.slice(1, -1).replace(/\\(["\\])/g, '$1');
   }
+  // printable ASCII, as keys mostly are: the bytes are the characters
+  if (key.length <= MAX_BYTES && PRINTABLE_ASCII.test(key)) return { key };
   // bytes as Node read them; a string with wider characters (an injected
   // request, say) is text already
   const bytes = /[^\x00-\xff]/.test(key) ? Buffer.from(key, 'utf8') : Buffer.from(key, 'latin1');
@@ -173,6 +204,8 @@ function readKey(header) {
   }
   return { key: bytes.toString('utf8') };
 }
+
+const PRINTABLE_ASCII = /^[\x20-\x7e]+$/;
 
 const MISSING_KEY = problem(400, 'Idempotency-Key required', 'This request requires an Idempotency-Key header.');
 
@@ -194,21 +227,35 @@ function boundScope(scope) {
   // refused here too: its hash would be that of U+FFFD in its place
   if (LONE_SURROGATE.test(scope)) throw new TypeError('pg-idempotency: a scope with a lone UTF-16 surrogate has no UTF-8 form');
   if (Buffer.byteLength(scope) <= MAX_BYTES) return scope;
-  return 'sha256:' + createHash('sha256').update(scope, 'utf8').digest('hex');
+  return 'sha256:' + sha256(scope);
 }
 
 // METHOD, path with query, body bytes
 function defaultFingerprint(req, body) {
-  return createHash('sha256')
-    .update(`${req.method} ${req.originalUrl ?? req.url}\n`, 'utf8')
-    .update(body)
-    .digest('hex');
+  return sha256(Buffer.concat([Buffer.from(`${req.method} ${req.originalUrl ?? req.url}\n`, 'utf8'), body]));
 }
 
-// Seconds until the holder's lease runs out, rounded up, at least 1
-function retryAfter(claim) {
-  if (claim.lease_left_ms === null) return 1;
-  return Math.max(1, Math.ceil(claim.lease_left_ms / 1000));
+// Seconds until the holder's lease runs out by the database's clock,
+// rounded up, at least 1 (and 1 while the holder's transaction is open, when
+// its lease is not visible)
+async function leaseSecondsLeft(pool, claim) {
+  if (claim.lease_expires_at === null || claim.lease_expires_at === undefined) return 1;
+  const { rows: [{ seconds }] } = await pool.query(LEASE_LEFT, [claim.lease_expires_at]);
+  return Math.max(1, seconds ?? 1);
+}
+
+// The lease option in milliseconds (two-transaction mode's heartbeat runs
+// every third of it): a number as it is, an interval's text by the database
+const LEASE_IN_MS = new WeakMap();
+async function leaseMs(s) {
+  if (typeof s.leaseOption === 'number') return s.leaseOption;
+  let ms = LEASE_IN_MS.get(s);
+  if (ms === undefined) {
+    ms = s.pool.query(LEASE_MS, [s.lease]).then(({ rows: [row] }) => row.ms);
+    LEASE_IN_MS.set(s, ms);
+    ms.catch(() => LEASE_IN_MS.delete(s)); // asked again next time
+  }
+  return ms;
 }
 
 // The stored form of a response: the allow-listed headers, the body as text
@@ -243,7 +290,7 @@ function claimArgs(s, scope, key, fingerprint) {
 
 // What the middleware answers instead of running the handler, for a claim
 // that was not won: { status, headers, body }, or null for 'claimed'
-function answerTo(claim) {
+async function answerTo(pool, claim) {
   switch (claim.outcome) {
     case 'claimed':
       return null;
@@ -258,7 +305,10 @@ function answerTo(claim) {
     default: // in_progress
       return {
         status: 409,
-        headers: { 'content-type': 'application/problem+json', 'retry-after': String(retryAfter(claim)) },
+        headers: {
+          'content-type': 'application/problem+json',
+          'retry-after': String(await leaseSecondsLeft(pool, claim)),
+        },
         body: problem(409, 'Request in progress',
           'A request with this Idempotency-Key is still being processed; retry later.'),
       };
@@ -268,5 +318,5 @@ function answerTo(claim) {
 module.exports = {
   CLAIM, COMPLETE, COMPLETE_OR_ABORT, RELEASED, TOO_LARGE, RELEASE, CHECKPOINT, EXTEND, LOST_CLAIM, MISSING_KEY,
   inline, literal, utf8Database, likelyStored, interval, settings, problem, readKey, principalOf, pathOf, boundScope,
-  storedResponse, answerTo, claimArgs,
+  storedResponse, answerTo, claimArgs, leaseMs,
 };

@@ -210,6 +210,55 @@ test('two transactions: the heartbeat keeps the lease, a duplicate gets 409, the
   }
 });
 
+test('Retry-After is the seconds left of the holder\'s lease, by the database\'s clock; 1 while its transaction is open', async () => {
+  const held = gate();
+  const entered = gate();
+  const app = express();
+  app.use(express.json({ verify: idempotency.keepRawBody }));
+  // a lease as an interval's text: the heartbeat's period comes from the database
+  app.post('/long', idempotency.express({ pool, mode: 'two-transaction', lease: '1 hour', wait: 0 }),
+    async (req, res) => {
+      entered.open();
+      await held.promise;
+      res.status(201).json({});
+    });
+  const shortHeld = gate();
+  const shortEntered = gate();
+  app.post('/short', idempotency.express({ pool, wait: 0 }), async (req, res) => {
+    shortEntered.open();
+    await shortHeld.promise;
+    res.status(201).json({});
+  });
+  const server = await listen(app);
+  try {
+    const key = randomUUID();
+    const first = request(server, { path: '/long', key, body: {} });
+    await entered.promise;
+    const duplicate = await request(server, { path: '/long', key, body: {} });
+    assert.equal(duplicate.status, 409);
+    const [{ left }] = (await pool.query(
+      'SELECT date_part(\'epoch\', lease_expires_at - clock_timestamp()) AS left FROM idempotency.keys WHERE key = $1', [key])).rows;
+    const retryAfter = Number(duplicate.headers['retry-after']);
+    assert.ok(retryAfter >= Math.floor(left) && retryAfter <= 3600, `Retry-After ${retryAfter}, ${left} s left`);
+    held.open();
+    assert.equal((await first).status, 201);
+
+    // one transaction: the holder's lease is not visible until it commits
+    const shortKey = randomUUID();
+    const holder = request(server, { path: '/short', key: shortKey, body: {} });
+    await shortEntered.promise;
+    const waiting = await request(server, { path: '/short', key: shortKey, body: {} });
+    assert.equal(waiting.status, 409);
+    assert.equal(waiting.headers['retry-after'], '1');
+    shortHeld.open();
+    assert.equal((await holder).status, 201);
+  } finally {
+    held.open();
+    shortHeld.open();
+    await server.close();
+  }
+});
+
 test('two transactions: a retry takes over with the recovery point; the stale attempt answers 409', async () => {
   const held = gate();
   const entered = gate();
