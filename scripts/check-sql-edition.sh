@@ -23,7 +23,10 @@
 #   5. the differential fuzz (test/fuzz/diff_editions.py): the same random
 #      call sequences on both editions, the same results and SQLSTATEs;
 #   6. the TAP tests both editions pass (t/IdemTest.pm), the script
-#      installed by that role on a server of the private tree.
+#      installed by that role on a server of the private tree;
+#   7. the client packages' tests (clients/*/test.sh: Express, Fastify,
+#      ASGI, Django, Flask and the consumers), each against a database where
+#      that role installed the script.
 #
 # VIA=pgtle (make check-pgtle) installs the edition through pg_tle instead:
 # the server preloads pg_tle only, idempotency-pgtle--<version>.sql is run
@@ -294,6 +297,27 @@ if [ "$via" = script ]; then
 			[ -e "$log" ] && { echo "-- $log (last 60 lines)"; tail -n 60 "$log"; }
 		done
 	fi
+fi
+
+# The client packages (clients/*/test.sh) against the SQL edition, each in
+# a database of its own where the edition's owner installed it
+if [ "$via" = script ]; then
+	for test in clients/*/test.sh; do
+		client=$(basename "$(dirname "$test")")
+		db=clients_$client
+		psql_sql -U "$user" -d postgres -c "CREATE DATABASE $db" || exit 1
+		psql_sql -U "$user" -d "$db" -c "GRANT CREATE ON DATABASE $db TO idem_owner" || exit 1
+		psql_sql -U idem_owner -d "$db" -o /dev/null -f "$script" || exit 1
+		echo "-- $test (the SQL edition)"
+		mkdir -p "$work/$db"
+		if (cd "$(dirname "$test")" && PGHOST=$work PGPORT=$sql_port PGUSER=$user PGDATABASE=$db \
+			IDEM_VIA=direct IDEM_SQL_SCRIPT=$script EXAMPLE_TMP=$work/$db ./test.sh); then
+			echo "ok: $test (the SQL edition)"
+		else
+			echo "FAILED: $test (the SQL edition)"
+			status=1
+		fi
+	done
 fi
 
 exit $status

@@ -39,7 +39,7 @@ class Attempt {
         const utf8 = P.utf8Database(s.pool, client); // known after the pool's first time
         this.utf8 = typeof utf8 === 'boolean' ? utf8 : await utf8;
         const [, result] = await client.query(`BEGIN; ${P.inline(P.CLAIM, args, this.utf8)}`);
-        [claim] = result.rows;
+        claim = P.claimOf(result.rows[0].c);
       } catch (error) {
         await this.#rollback(client);
         throw error;
@@ -58,7 +58,7 @@ class Attempt {
       client.on('error', this.#onLost);
     } else {
       const leaseMs = await P.leaseMs(s); // before the claim: nothing to undo if it fails
-      ({ rows: [claim] } = await s.pool.query(P.CLAIM, args));
+      claim = P.claimOf((await s.pool.query(P.CLAIM, args)).rows[0].c);
       if (claim.outcome !== 'claimed') return P.answerTo(s.pool, claim);
       this.#startHeartbeat(leaseMs);
     }

@@ -13,9 +13,9 @@ const { randomUUID } = require('node:crypto');
 const express = require('express');
 const pg = require('pg');
 const idempotency = require('..');
-const { literal } = require('../lib/protocol');
+const { literal, recordFields } = require('../lib/protocol');
 const http = require('node:http');
-const { pool, createTables, listen, request, gate, waitFor } = require('./support');
+const { pool, createTables, listen, request, gate, waitFor, installIdempotency } = require('./support');
 
 const KEYS = 'SELECT scope, key, body, headers FROM idempotency.keys WHERE key = $1';
 
@@ -67,6 +67,19 @@ function echoApp(options = {}) {
   });
   return app;
 }
+
+test('recordFields reads what the server writes for a composite, field for field', async () => {
+  const values = [...HOSTILE, '', ' ', '(', ')', ',', '","', '\\"', 'a\nb', '{"a": "x,y\\\\z"}', null];
+  for (let i = 0; i < values.length; i++) {
+    // the value first, in the middle and last, between NULLs and empty strings
+    const row = [null, values[i], '', values[(i + 1) % values.length], null, values[i]];
+    const { rows: [{ c }] } = await pool.query(
+      'SELECT ROW($1::text, $2::text, $3::text, $4::text, $5::text, $6::text)::text AS c', row);
+    assert.deepEqual(recordFields(c), row, c);
+  }
+  assert.deepEqual(recordFields('()'), [null]);
+  assert.deepEqual(recordFields('(,)'), [null, null]);
+});
 
 test('hostile keys and answers are stored and replayed byte for byte, under any session settings', async () => {
   const server = await listen(echoApp());
@@ -301,7 +314,7 @@ test('a database in SQL_ASCII: characters beyond ASCII go as they are, and come 
   const ascii = new pg.Pool({ database: name, max: 2 });
   ascii.on('error', () => {}); // its sessions end with the DROP DATABASE below
   try {
-    await ascii.query('CREATE EXTENSION idempotency');
+    await installIdempotency(ascii);
     await ascii.query('CREATE TABLE node_items (id serial PRIMARY KEY, label text NOT NULL)');
     const server = await listen(echoApp({ pool: ascii }));
     try {

@@ -73,4 +73,11 @@ async function waitFor(sql, params, check) {
   }
 }
 
-module.exports = { pool, createTables, listen, listenFastify, request, gate, waitFor };
+// The extension in a database the test made: the C edition, or the SQL
+// edition's script when IDEM_SQL_SCRIPT names it (scripts/check-sql-edition.sh)
+async function installIdempotency(db) {
+  const script = process.env.IDEM_SQL_SCRIPT;
+  await db.query(script ? require('node:fs').readFileSync(script, 'utf8') : 'CREATE EXTENSION idempotency');
+}
+
+module.exports = { pool, createTables, listen, listenFastify, request, gate, waitFor, installIdempotency };
