@@ -172,6 +172,19 @@ if [ -e "$pkglibdir/idempotency.so" ]; then
 		echo "catalogs: the editions differ (above: - C edition, + SQL edition)"
 		status=1
 	fi
+	# the C library's DDL guard leaves alone the tables of a database
+	# without the C edition: there the SQL edition installs, and its tables
+	# take what the guard refuses on the C edition's
+	psql_c() { "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -h "$work" -p "$c_port" -U "$user" "$@"; }
+	psql_c -d postgres -c "CREATE DATABASE sql_beside_c" || exit 1
+	if psql_c -d sql_beside_c -o /dev/null -f "$script" >"$work/beside.out" 2>&1 &&
+		psql_c -d sql_beside_c -c "CREATE UNIQUE INDEX ON idempotency.keys (key, scope)" >>"$work/beside.out" 2>&1; then
+		echo "a server that preloads the C library: the SQL edition installs in a database without the C edition, its tables unguarded"
+	else
+		cat "$work/beside.out"
+		echo "a server that preloads the C library: the SQL edition did not install in a database without the C edition (above)"
+		status=1
+	fi
 else
 	echo "catalogs: not compared (the C edition is not installed in $pkglibdir)"
 	status=1

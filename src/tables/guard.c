@@ -14,7 +14,8 @@
  * non-unique indexes on columns.  VACUUM, ANALYZE, REINDEX, CLUSTER,
  * TRUNCATE, COPY and GRANT are not DDL on the table's definition and are
  * never looked at.  The extension's own scripts (CREATE / ALTER EXTENSION)
- * are not guarded.
+ * are not guarded, nor are tables of the same names that are not the
+ * extension's (the SQL edition's, in a database without the extension).
  *
  * May call: the catalogs (namespace lookups, pg_extension).
  *
@@ -23,6 +24,7 @@
 #include "postgres.h"
 
 #include "catalog/namespace.h"
+#include "catalog/pg_class.h"
 #include "catalog/pg_proc.h"
 #include "catalog/dependency.h"
 #include "commands/extension.h"
@@ -45,6 +47,7 @@ guarded_table(const RangeVar *rv)
 {
 	Oid			relid;
 	Oid			schema;
+	Oid			extension;
 
 	if (rv == NULL)
 		return NULL;
@@ -56,6 +59,15 @@ guarded_table(const RangeVar *rv)
 		return NULL;
 	relid = RangeVarGetRelid(rv, NoLock, true);
 	if (!OidIsValid(relid) || get_rel_namespace(relid) != schema)
+		return NULL;
+	/*
+	 * Only the extension's own tables: in a database without it, schema
+	 * "idempotency" may hold the SQL edition's (installed by a script),
+	 * whose writes go through the executor
+	 */
+	extension = get_extension_oid("idempotency", true);
+	if (!OidIsValid(extension) ||
+		getExtensionOfObject(RelationRelationId, relid) != extension)
 		return NULL;
 	for (size_t i = 0; i < lengthof(guarded_tables); i++)
 		if (strcmp(get_rel_name(relid), guarded_tables[i]) == 0)
