@@ -25,7 +25,7 @@ from starlette.datastructures import URL
 from starlette.requests import Request
 
 from ._protocol import (
-    CHECKPOINT, CLAIM, COMPLETE, COMPLETE_OR_ABORT, EXTEND_LEASE, ONE_TRANSACTION, RELEASE,
+    CHECKPOINT, CLAIM, COMPLETE, COMPLETE_OR_ABORT, EXTEND_LEASE, LEASE_LEFT, ONE_TRANSACTION, RELEASE,
     RELEASED, Answer, Claim, Context, IdempotencyKeyLost, Options, body_too_large, bounded_scope,
     check_mode, claim_times, complete_params, default_fingerprint, default_scope, is_lost_key,
     is_too_large, likely_stored, lost_key, missing_key, not_claimed, parse_key, sqlstate,
@@ -209,14 +209,15 @@ async def _ready(loop: asyncio.AbstractEventLoop, fd: int, add: Any, remove: Any
 _BEGIN_CLAIM = _Statements("BEGIN; " + CLAIM)
 _COMPLETE_COMMIT = _Statements(COMPLETE_OR_ABORT + "; COMMIT")
 _ROLLBACK = _Statements("ROLLBACK")
+_LEASE_LEFT = _Statements(LEASE_LEFT)
 
 
 def _claim_row(row: Optional[list[Optional[str]]]) -> Claim:
     """idem_claim's row as text, typed as psycopg reads it."""
     assert row is not None
-    outcome, status, body, headers, attempt, recovery_point, lease_left = row
+    outcome, status, body, headers, attempt, recovery_point, lease_expires_at = row
     return Claim(str(outcome), _int(status), body, headers, _int(attempt), recovery_point,
-                 _int(lease_left))
+                 lease_expires_at)
 
 
 def _int(text: Optional[str]) -> Optional[int]:
@@ -329,6 +330,9 @@ class IdempotencyMiddleware:
             try:
                 claim = _claim_row(await _BEGIN_CLAIM.send(
                     conn, (key_scope, key, fingerprint) + claim_times(options, mode), row_of=1))
+                if claim.needs_lease_left():
+                    [left] = await _LEASE_LEFT.send(conn, (claim.lease_expires_at,)) or [None]
+                    claim.lease_left = _int(left)
                 answer = None if claim.outcome == "claimed" else not_claimed(claim)
             except BaseException:
                 await _rollback(conn)
@@ -431,6 +435,8 @@ class IdempotencyMiddleware:
         claim = Claim(*await self._run(CLAIM, (key_scope, key, fingerprint) +
                                        claim_times(options, mode)))
         if claim.outcome != "claimed":
+            if claim.needs_lease_left():
+                [claim.lease_left] = await self._run(LEASE_LEFT, (claim.lease_expires_at,))
             return not_claimed(claim)
         attempt = claim.attempt
         context = Context(key, key_scope, mode, attempt, claim.recovery_point)

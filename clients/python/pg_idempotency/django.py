@@ -23,7 +23,7 @@ from django.http import HttpRequest, HttpResponse
 from django.utils.module_loading import import_string
 
 from ._protocol import (
-    CLAIM, COMPLETE, ONE_TRANSACTION, RELEASE, Answer, Claim, Context, IdempotencyKeyLost,
+    CLAIM, COMPLETE, LEASE_LEFT, ONE_TRANSACTION, RELEASE, Answer, Claim, Context, IdempotencyKeyLost,
     Options, bounded_scope, claim_times, complete_params, default_fingerprint, default_scope,
     is_lost_key, is_too_large, lost_key, missing_key, not_claimed, parse_key, too_large,
 )
@@ -112,6 +112,8 @@ class IdempotencyMiddleware:
         with transaction.atomic(using=self.using):
             claim = Claim(*self._run(CLAIM, params))
             if claim.outcome != "claimed":
+                if claim.needs_lease_left():
+                    [claim.lease_left] = self._run(LEASE_LEFT, (claim.lease_expires_at,))
                 return _response(not_claimed(claim))
             request.idempotency = Context(  # type: ignore[attr-defined]
                 key, scope, ONE_TRANSACTION, claim.attempt, claim.recovery_point,
@@ -156,6 +158,8 @@ class IdempotencyMiddleware:
                          params: tuple[Any, ...]) -> HttpResponse:
         claim = Claim(*self._run(CLAIM, params))
         if claim.outcome != "claimed":
+            if claim.needs_lease_left():
+                [claim.lease_left] = self._run(LEASE_LEFT, (claim.lease_expires_at,))
             return _response(not_claimed(claim))
         context = Context(key, scope, "two_transaction", claim.attempt, claim.recovery_point)
         context._checkpoint = checkpoint_with(self._run, context)

@@ -21,7 +21,7 @@ from psycopg.pq import TransactionStatus
 from flask import Flask, Response, current_app, g, request
 
 from ._protocol import (
-    CLAIM, COMPLETE, ONE_TRANSACTION, RELEASE, Answer, Claim, Context, IdempotencyKeyLost,
+    CLAIM, COMPLETE, LEASE_LEFT, ONE_TRANSACTION, RELEASE, Answer, Claim, Context, IdempotencyKeyLost,
     Options, bounded_scope, claim_times, complete_params, default_fingerprint, default_scope,
     is_lost_key, is_too_large, lost_key, missing_key, not_claimed, parse_key, principal_of, problem,
     too_large,
@@ -124,6 +124,8 @@ class Idempotency:
                 conn = transaction.enter_context(self.pool.connection())
                 transaction.enter_context(conn.transaction())
                 claim = Claim(*_fetch(conn, CLAIM, params))
+                if claim.needs_lease_left():
+                    [claim.lease_left] = _fetch(conn, LEASE_LEFT, (claim.lease_expires_at,))
             except BaseException as error:  # the connection goes back to the pool
                 transaction.__exit__(type(error), error, error.__traceback__)
                 raise
@@ -137,6 +139,8 @@ class Idempotency:
 
         claim = Claim(*self._run(CLAIM, params))
         if claim.outcome != "claimed":
+            if claim.needs_lease_left():
+                [claim.lease_left] = self._run(LEASE_LEFT, (claim.lease_expires_at,))
             return self._response(not_claimed(claim))
         context = Context(key, scope, mode, claim.attempt, claim.recovery_point)
         context._checkpoint = checkpoint_with(self._run, context)
