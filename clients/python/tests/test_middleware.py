@@ -244,12 +244,15 @@ def test_hostile_keys_and_paths(server, db):
     assert post(server, "/orders", order(), "\xff\xfe").status == 400
     # quotes and SQL are a key like any other, stored as sent
     unique = uuid.uuid4()
-    for key in (f"x'); DROP TABLE orders; -- {unique}", f'"quoted \\"inner\\" {unique}"'):
+    for key in (f"x'); DROP TABLE orders; -- {unique}", f'"quoted \\"inner\\" {unique}"',
+                f"back\\slash {unique}", f"caf\u00e9 {unique}".encode().decode("latin-1")):
         body = order()
         first = post(server, "/orders", body, key)
         assert first.status == 201 and post(server, "/orders", body, key).replayed
     assert stored(db, f'quoted "inner" {unique}')
     assert stored(db, f"x'); DROP TABLE orders; -- {unique}")
+    assert stored(db, f"back\\slash {unique}")  # as sent: no escape read into it
+    assert stored(db, f"caf\u00e9 {unique}")  # the header's UTF-8
     # %00 in the path: its scope is hashed, and the handler answers (404)
     key = str(uuid.uuid4())
     reply = post(server, "/orders%00", order(), key)
