@@ -1137,18 +1137,42 @@ checked_in_sql(uint64 nrows, AckChains *chains)
 						   TYPALIGN_DOUBLE);
 }
 
-/* Is id among the first column of the n rows of table? */
+/*
+ * Is id among the first column of the n rows of table, which are in its
+ * order (STMT_ACK_HOLD's ORDER BY o.id)?  A binary search: an ack of many
+ * rows holds as many, and a scan per row made the ack quadratic (60,000 ids
+ * of 50 keys took 4.7 s).
+ */
 static bool
 among_rows(int64 id, SPITupleTable *table, uint64 n)
 {
-	for (uint64 i = 0; i < n; i++)
-	{
-		bool		isnull;
+	uint64		lo = 0;
+	uint64		hi = n;
 
-		if (DatumGetInt64(SPI_getbinval(table->vals[i], table->tupdesc, 1, &isnull)) == id)
+	while (lo < hi)
+	{
+		uint64		mid = lo + (hi - lo) / 2;
+		bool		isnull;
+		int64		at = DatumGetInt64(SPI_getbinval(table->vals[mid], table->tupdesc, 1,
+													 &isnull));
+
+		if (at == id)
 			return true;
+		if (at < id)
+			lo = mid + 1;
+		else
+			hi = mid;
 	}
 	return false;
+}
+
+static int
+compare_int64(const void *a, const void *b)
+{
+	int64		x = *(const int64 *) a;
+	int64		y = *(const int64 *) b;
+
+	return x < y ? -1 : x > y ? 1 : 0;
 }
 
 /*
@@ -1207,13 +1231,12 @@ hold_chains(ArrayType *unblocked, const AckChains *chains, bool fenced, Datum *v
 
 	deconstruct_array(unblocked, INT8OID, sizeof(int64), FLOAT8PASSBYVAL, TYPALIGN_DOUBLE,
 					  &kept_ids, &kept_nulls, &nkept);
+	qsort(dropped, ndropped, sizeof(int64), compare_int64);
 	for (int i = 0; i < nkept; i++)
 	{
-		bool		drop = false;
+		int64		id = DatumGetInt64(kept_ids[i]);
 
-		for (int j = 0; j < ndropped && !drop; j++)
-			drop = DatumGetInt64(kept_ids[i]) == dropped[j];
-		if (!drop)
+		if (bsearch(&id, dropped, ndropped, sizeof(int64), compare_int64) == NULL)
 			kept_ids[out++] = kept_ids[i];
 	}
 	return construct_array(kept_ids, out, INT8OID, sizeof(int64), FLOAT8PASSBYVAL,
