@@ -274,10 +274,12 @@ event_sql_run(EventSql *context, EventStatement statement, text *consumer,
 	 * (force_custom_plan, over a session's plan_cache_mode too): with the
 	 * ids a constant array, = ANY is a hashed lookup wherever it is a
 	 * filter, and the planner knows how many ids it probes for.  A generic
-	 * plan, made while the consumer had a few rows, probed the primary key
-	 * for the consumer alone and tested each of its rows against the whole
-	 * array ($2 a parameter, = ANY a linear search): over a minute to look
-	 * up 100,000 ids among as many rows, against 0.2 s.
+	 * plan, made while the consumer had a few rows, read all of them (a
+	 * sequential scan, or the primary key by consumer alone) and tested
+	 * each against the whole array ($2 a parameter, = ANY a linear
+	 * search): over a minute to look up 100,000 ids among as many rows,
+	 * against 0.2 s.  (outbox_sql.c's planning_settings_begin does the
+	 * same for the outbox's statements.)
 	 */
 	guc_nest_level = batch ? NewGUCNestLevel() : -1;
 	if (batch)

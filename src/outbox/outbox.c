@@ -1140,7 +1140,7 @@ checked_in_sql(uint64 nrows, AckChains *chains)
 /*
  * Is id among the first column of the n rows of table, which are in its
  * order (STMT_ACK_HOLD's ORDER BY o.id)?  A binary search: an ack of many
- * rows holds as many, and a scan per row made the ack quadratic (60,000 ids
+ * rows holds as many, and a scan per row made the ack quadratic (50,000 ids
  * of 50 keys took 4.7 s).
  */
 static bool
