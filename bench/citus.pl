@@ -1,13 +1,25 @@
-# make bench-citus: claim + complete and replay through a Citus coordinator
-# (each call delegated to the worker of its tenant's shard) against the same
-# workloads on one plain PostgreSQL with the extension, in the same run.
+# make bench-citus: claim + complete, replay and enqueue through a Citus
+# coordinator (each call delegated to the worker of its tenant's, or topic's,
+# shard) against, in the same run:
+#
+# - Citus's own router statements of the same shape through the same
+#   coordinator (issue 31, item 3; goal 0.8 each), on tables distributed
+#   by the same column and colocated with ours: claim + complete against
+#   BEGIN, INSERT ... ON CONFLICT DO NOTHING on the distribution key and
+#   the primary key, an UPDATE of that row, COMMIT; replay against a
+#   SELECT of a stored row by the same two columns; enqueue against an
+#   INSERT of the same payload and key into a table distributed by topic,
+#   its id from a sequence as the outbox's;
+# - the same workloads of ours on one plain PostgreSQL with the extension
+#   (what the routing costs, with no bar).
 #
 # The cluster is t/citus's (t/citus/CitusCluster.pm: a coordinator and two
 # workers, the extension distributed beside a table of payments by tenant);
 # the plain node has the same settings without Citus.  pgbench -M prepared,
 # BENCH_CLIENTS clients (4) for BENCH_SECONDS (15 s) a run, BENCH_ROUNDS
-# rounds (3), the two sides alternating; a figure is the median of the
-# rounds' tps, a ratio the median of the rounds' ratios (Citus / one node).
+# rounds (3), the sides in turn, which goes first rotating with the round;
+# a figure is the median of the rounds' tps, a ratio the median of the
+# rounds' ratios (ours through the coordinator / the other side).
 # Every server runs on this machine, so the coordinator's hop to its
 # workers is a local socket, and the cluster's four processes share its
 # cores: the ratio is what the routing costs here, not what a cluster of
@@ -54,6 +66,38 @@ append_to_file("$dir/replay.sql", q{
 \set n random(1, 100)
 SELECT idempotency.idem_claim('tenant-' || (:n % 16), 'r-' || :n);
 });
+# one event on one of 16 topics, with an ordering key
+append_to_file("$dir/enqueue.sql", q{
+\set n random(1, 1000000000)
+SELECT idempotency.idem_outbox_enqueue('topic-' || (:client_id % 16), '{"order": 1, "sku": "A-1"}', 'key-' || (:n % 50));
+});
+
+# Citus's own router statements of the same shapes, on tables distributed
+# and colocated as ours are (keys by scope, the outbox by topic)
+$coordinator->safe_psql('postgres', q{
+	CREATE TABLE router_keys (scope text COLLATE "C" NOT NULL, key text NOT NULL,
+		status_code int, body text, PRIMARY KEY (scope, key));
+	SELECT create_distributed_table('router_keys', 'scope', colocate_with => 'idempotency.keys');
+	CREATE TABLE router_events (topic text COLLATE "C" NOT NULL, id bigserial,
+		key text, payload jsonb NOT NULL, PRIMARY KEY (topic, id));
+	SELECT create_distributed_table('router_events', 'topic', colocate_with => 'idempotency.outbox');
+});
+append_to_file("$dir/router_claim_complete.sql", q{
+\set n random(1, 1000000000)
+BEGIN;
+INSERT INTO router_keys (scope, key) VALUES ('tenant-' || (:client_id % 16), 'k-' || :n || '-' || :client_id) ON CONFLICT (scope, key) DO NOTHING;
+UPDATE router_keys SET status_code = 201, body = 'ok' WHERE scope = 'tenant-' || (:client_id % 16) AND key = 'k-' || :n || '-' || :client_id;
+COMMIT;
+});
+append_to_file("$dir/router_replay.sql", q{
+\set n random(1, 100)
+SELECT status_code, body FROM router_keys WHERE scope = 'tenant-' || (:n % 16) AND key = 'r-' || :n;
+});
+append_to_file("$dir/router_enqueue.sql", q{
+\set n random(1, 1000000000)
+INSERT INTO router_events (topic, key, payload) VALUES ('topic-' || (:client_id % 16), 'key-' || (:n % 50), '{"order": 1, "sku": "A-1"}');
+});
+
 my $completed = join('', map {
 	my $scope = 'tenant-' . ($_ % 16);
 	"SELECT idempotency.idem_claim('$scope', 'r-$_');\n"
@@ -66,6 +110,13 @@ for my $node ($coordinator, $plain)
 			"SELECT count(*) FROM idempotency.keys WHERE key LIKE 'r-%' AND status_code = 200"),
 		'100', 'the keys to replay are completed on ' . $node->name);
 }
+$coordinator->safe_psql('postgres', q{
+	INSERT INTO router_keys SELECT 'tenant-' || (n % 16), 'r-' || n, 200, 'stored'
+	FROM generate_series(1, 100) n;
+});
+is($coordinator->safe_psql('postgres',
+		q{SELECT count(*) FROM router_keys WHERE key LIKE 'r-%' AND status_code = 200}),
+	'100', 'the router rows to read are stored');
 
 # tps of one pgbench run of script against node
 sub tps
@@ -89,29 +140,41 @@ sub median
 	  : ($sorted[@sorted / 2 - 1] + $sorted[@sorted / 2]) / 2;
 }
 
+# the sides of each workload: ours through the coordinator first, then
+# what it is measured against
+my %sides = (
+	citus => [ $coordinator, '' ],
+	router => [ $coordinator, 'router_' ],
+	one => [ $plain, '' ]);
 my %summary;
-for my $workload ('claim_complete', 'replay')
+for my $workload ('claim_complete', 'replay', 'enqueue')
 {
-	my (@citus, @one, @ratios);
+	my @order = ('citus', 'router', 'one');
+	my (%tps, %ratios);
 	for my $round (1 .. $rounds)
 	{
-		my %tps;
-		for my $side ($round % 2 ? ('citus', 'one') : ('one', 'citus'))
+		for my $side (@order)
 		{
-			$tps{$side} =
-			  tps($side eq 'citus' ? $coordinator : $plain, "$dir/$workload.sql");
+			my ($node, $prefix) = @{ $sides{$side} };
+			push @{ $tps{$side} }, tps($node, "$dir/$prefix$workload.sql");
 		}
-		push @citus, $tps{citus};
-		push @one, $tps{one};
-		push @ratios, $tps{citus} / $tps{one};
+		push @{ $ratios{$_} }, $tps{citus}[-1] / $tps{$_}[-1] for ('router', 'one');
+		push @order, shift @order;
 	}
-	my $ratio = median(@ratios);
-	diag(sprintf("%-15s through the coordinator %8.0f tps, one node %8.0f tps, ratio %.2f (rounds %s)",
-			$workload, median(@citus), median(@one), $ratio,
-			join(' ', map { sprintf('%.2f', $_) } @ratios)));
-	$summary{"${workload}_citus_tps"} = int(median(@citus));
-	$summary{"${workload}_one_node_tps"} = int(median(@one));
-	$summary{"${workload}_citus_vs_one_node"} = sprintf('%.3f', $ratio) + 0;
+	for my $against ('router', 'one')
+	{
+		my $ratio = median(@{ $ratios{$against} });
+		my $bar = $against eq 'router' ? ' (goal 0.80)' : '';
+		diag(sprintf("%-15s through the coordinator %8.0f tps, %-21s %8.0f tps, ratio %.2f%s (rounds %s)",
+				$workload, median(@{ $tps{citus} }),
+				$against eq 'router' ? "Citus's router statements" : 'one node',
+				median(@{ $tps{$against} }), $ratio, $bar,
+				join(' ', map { sprintf('%.2f', $_) } @{ $ratios{$against} })));
+		my $name = $against eq 'router' ? 'citus_vs_router' : 'citus_vs_one_node';
+		$summary{"${workload}_$name"} = sprintf('%.3f', $ratio) + 0;
+		$summary{"${workload}_${against}_tps"} = int(median(@{ $tps{$against} }));
+	}
+	$summary{"${workload}_citus_tps"} = int(median(@{ $tps{citus} }));
 }
 diag('{' . join(', ', map { "\"$_\": $summary{$_}" } sort keys %summary) . '}');
 
