@@ -40,6 +40,7 @@ OBJS = \
 	src/infra/claim_wait.o \
 	src/infra/guc.o \
 	src/infra/maintenance.o \
+	src/infra/plan_settings.o \
 	src/infra/run_as.o \
 	src/infra/shmem.o \
 	src/infra/subxact.o \

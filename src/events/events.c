@@ -55,6 +55,7 @@
 #include "tables/tables.h"
 #include "infra/args.h"
 #include "infra/guc.h"
+#include "infra/plan_settings.h"
 #include "infra/run_as.h"
 
 PG_FUNCTION_INFO_V1(idem_mark_processed);
@@ -202,6 +203,21 @@ static const char *const event_sql[EV_NUM_STATEMENTS] = {
 	" WHERE consumer = $1 AND event_id = ANY ($2) AND expires_at > $3",
 };
 
+/*
+ * The batch look gets a custom plan at each call, as the SQL edition's
+ * (and a session's plan_cache_mode cannot undo it): with the ids a
+ * constant array, = ANY is a hashed lookup wherever it is a filter, and
+ * the planner knows how many ids it probes for.  A generic plan, made
+ * while the consumer had a few rows, read all of them (a sequential scan,
+ * or the primary key by consumer alone) and tested each against the whole
+ * array ($2 a parameter, = ANY a linear search): over a minute to look up
+ * 100,000 ids among as many rows, against 0.2 s.  The others are left to
+ * plancache.c (one row each, by the primary key).
+ */
+static const IdemPlanMode event_plan[EV_NUM_STATEMENTS] = {
+	[EV_LOOK_BATCH] = IDEM_PLAN_CUSTOM,
+};
+
 static SPIPlanPtr event_plans[EV_NUM_STATEMENTS];
 
 /* Where the statements run (the table, or a shard), and as whom. */
@@ -250,14 +266,16 @@ event_sql_run(EventSql *context, EventStatement statement, text *consumer,
 	int			guc_nest_level;
 
 	if (context->shard_name != NULL)
-		plan = SPI_prepare(psprintf(event_sql[statement], context->shard_name), nargs, types);
+		plan = SPI_prepare_cursor(psprintf(event_sql[statement], context->shard_name),
+								  nargs, types, idem_plan_cursor_options(event_plan[statement]));
 	else
 	{
 		if (event_plans[statement] == NULL)
 		{
-			SPIPlanPtr	prepared = SPI_prepare(psprintf(event_sql[statement],
-														"idempotency.processed_events"),
-											   nargs, types);
+			SPIPlanPtr	prepared = SPI_prepare_cursor(psprintf(event_sql[statement],
+															   "idempotency.processed_events"),
+													  nargs, types,
+													  idem_plan_cursor_options(event_plan[statement]));
 
 			if (prepared == NULL || SPI_keepplan(prepared) != 0)
 				elog(ERROR, "could not prepare event statement %d: %s",
@@ -269,25 +287,9 @@ event_sql_run(EventSql *context, EventStatement statement, text *consumer,
 	if (plan == NULL)
 		elog(ERROR, "could not prepare event statement %d: %s",
 			 (int) statement, SPI_result_code_string(SPI_result));
-	/*
-	 * The batch look gets a custom plan at each call, as the SQL edition's
-	 * (force_custom_plan, over a session's plan_cache_mode too): with the
-	 * ids a constant array, = ANY is a hashed lookup wherever it is a
-	 * filter, and the planner knows how many ids it probes for.  A generic
-	 * plan, made while the consumer had a few rows, read all of them (a
-	 * sequential scan, or the primary key by consumer alone) and tested
-	 * each against the whole array ($2 a parameter, = ANY a linear
-	 * search): over a minute to look up 100,000 ids among as many rows,
-	 * against 0.2 s.  (outbox_sql.c's planning_settings_begin does the
-	 * same for the outbox's statements.)
-	 */
-	guc_nest_level = batch ? NewGUCNestLevel() : -1;
-	if (batch)
-		(void) set_config_option("plan_cache_mode", "force_custom_plan", PGC_USERSET,
-								 PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
+	guc_nest_level = idem_plan_settings_begin(event_plan[statement], false);
 	ret = SPI_execute_plan(plan, values, NULL, false, 0);
-	if (batch)
-		AtEOXact_GUC(false, guc_nest_level);
+	idem_plan_settings_end(guc_nest_level);
 	if (ret < 0)
 		elog(ERROR, "event statement %d failed: %s",
 			 (int) statement, SPI_result_code_string(ret));

@@ -58,6 +58,7 @@
 #include "citus/shards.h"
 #include "tables/tables.h"
 #include "infra/guc.h"
+#include "infra/plan_settings.h"
 #include "infra/run_as.h"
 
 /*
@@ -101,7 +102,7 @@
  * the held-back rows, was found by reading the whole outbox for each batch.  So the NOT EXISTS is kept a probe of outbox_key_order per
  * candidate (OFFSET 0 keeps the planner from turning it into a join), and
  * the statement for one topic is planned with the other ways out of the
- * planner's reach (walk_in_order_settings, below), for each execution (a
+ * planner's reach (walk_in_order_settings, infra/plan_settings.c), for each execution (a
  * custom plan), with the topic known.
  */
 #define PUBLISH_CANDIDATES_SQL(topic_filter, order_by) \
@@ -322,26 +323,10 @@ typedef struct StatementDef
 	const char *sql;
 	int			nargs;
 	Oid			argtypes[8];
-	bool		custom_plan;	/* plan for each execution's parameters */
-	bool		walk_in_order;	/* ... under walk_in_order_settings */
-	bool		generic_plan;	/* one plan for every call, from the first */
+	IdemPlanMode plan;			/* custom, generic or plancache.c's choice */
+	bool		walk_in_order;	/* planned under infra/plan_settings.c's
+								 * walk_in_order_settings */
 } StatementDef;
-
-/*
- * The planner settings a walk_in_order statement is planned under, each
- * "off" for that statement only: what is left to read rows in an order is
- * an index scan (and nested loops over index scans to join), so a LIMIT
- * stops the walk, whatever the statistics say.  A way that is off is still
- * taken where nothing else can do (a sort of the batch's own rows), at
- * the price of a cost of 10^10 added for each such node, which puts the
- * plan far above jit_above_cost: so jit is off as well, or each batch of a
- * few rows would be compiled first (0.3 s, a measured wake-up to publish on
- * 15, against 5 ms).
- */
-static const char *const walk_in_order_settings[] = {
-	"enable_seqscan", "enable_bitmapscan", "enable_sort",
-	"enable_hashjoin", "enable_mergejoin", "jit", NULL
-};
 
 /*
  * The pull API's statements (STMT_FETCH_*): walk_in_order, and one generic
@@ -380,7 +365,7 @@ static const char *const walk_in_order_settings[] = {
  * of a fetch only, where issue 29 keeps a bypass of the executor only if
  * it earns 1.2 times the kept plan on a make bench line.
  */
-#define FETCH_PLAN .walk_in_order = true, .generic_plan = true
+#define FETCH_PLAN .plan = IDEM_PLAN_GENERIC, .walk_in_order = true
 
 static const StatementDef statements[NUM_STATEMENTS] = {
 	/*
@@ -565,7 +550,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 */
 	[STMT_PUBLISH_CANDIDATES_TOPIC] = {
 		PUBLISH_CANDIDATES_SQL(ONE_TOPIC("$3"), "o.topic, o.id"),
-		3, {TIMESTAMPTZOID, INT4OID, TEXTOID}, true, true
+		3, {TIMESTAMPTZOID, INT4OID, TEXTOID}, IDEM_PLAN_CUSTOM, true
 	},
 	/*
 	 * Not walk_in_order: the only index in id order across topics is
@@ -575,7 +560,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 */
 	[STMT_PUBLISH_CANDIDATES_EXCEPT] = {
 		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3)", "o.id"),
-		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}, true
+		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}, IDEM_PLAN_CUSTOM
 	},
 	/* one row, by id ($3), if it is still a candidate (see outbox_publish_row) */
 	[STMT_PUBLISH_CANDIDATE_ROW] = {
@@ -667,40 +652,6 @@ static SPIPlanPtr plans[NUM_OUTBOX_SCHEMAS][NUM_STATEMENTS];
 
 /* The schema of the database the statements run in now (outbox_sql_begin_on). */
 static OutboxSchema outbox_schema = OUTBOX_SCHEMA_1_2;
-
-/*
- * Enter the planner settings of a walk_in_order statement, for as long as
- * it runs (it may be planned then); returns the GUC nest level to leave
- * with planning_settings_end, or -1 for any other statement.
- */
-static int
-planning_settings_begin(OutboxStatement statement)
-{
-	const StatementDef *def = &statements[statement];
-	int			guc_nest_level;
-
-	if (!def->walk_in_order)
-		return -1;
-	guc_nest_level = NewGUCNestLevel();
-	for (int i = 0; walk_in_order_settings[i] != NULL; i++)
-		(void) set_config_option(walk_in_order_settings[i], "off",
-								 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
-								 true, 0, false);
-	/* a session's plan_cache_mode would win over the cursor options */
-	(void) set_config_option("plan_cache_mode",
-							 def->generic_plan ? "force_generic_plan" :
-							 def->custom_plan ? "force_custom_plan" : "auto",
-							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
-							 true, 0, false);
-	return guc_nest_level;
-}
-
-static void
-planning_settings_end(int guc_nest_level)
-{
-	if (guc_nest_level >= 0)
-		AtEOXact_GUC(false, guc_nest_level);
-}
 
 /*
  * The plans of the statements on one shard of a distributed outbox, kept
@@ -1018,8 +969,7 @@ outbox_plan(OutboxStatement statement)
 		const char *sql = current_shard != NULL ?
 			statement_on_shard(text, current_shard) : text;
 		SPIPlanPtr	plan = SPI_prepare_cursor(sql, def->nargs, (Oid *) def->argtypes,
-											  def->custom_plan ? CURSOR_OPT_CUSTOM_PLAN :
-											  def->generic_plan ? CURSOR_OPT_GENERIC_PLAN : 0);
+											  idem_plan_cursor_options(def->plan));
 
 		if (plan == NULL)
 			elog(ERROR, "could not prepare outbox statement %d: %s",
@@ -1032,19 +982,20 @@ outbox_plan(OutboxStatement statement)
 }
 
 /*
- * Run one of the statements above; returns SPI_processed.  The settings of a
- * walk_in_order statement are restored on the way out, and by the
- * (sub)transaction's abort after an error.
+ * Run one of the statements above; returns SPI_processed.  Its planner
+ * settings (idem_plan_settings_begin) are restored on the way out, and by
+ * the (sub)transaction's abort after an error.
  */
 uint64
 outbox_sql_run(OutboxStatement statement, Datum *values, const char *nulls)
 {
 	SPIPlanPtr	plan = outbox_plan(statement);
-	int			guc_nest_level = planning_settings_begin(statement);
+	const StatementDef *def = &statements[statement];
+	int			guc_nest_level = idem_plan_settings_begin(def->plan, def->walk_in_order);
 	int			ret;
 
 	ret = SPI_execute_plan(plan, values, nulls, false, 0);
-	planning_settings_end(guc_nest_level);
+	idem_plan_settings_end(guc_nest_level);
 
 	if (ret < 0)
 		elog(ERROR, "outbox statement %d failed: %s",
@@ -1053,25 +1004,26 @@ outbox_sql_run(OutboxStatement statement, Datum *values, const char *nulls)
 }
 
 /*
- * Open a cursor on one of the statements above (planned then, under the
- * settings of a walk_in_order statement, which its later reads keep).
+ * Open a cursor on one of the statements above (planned then, under its
+ * planner settings, which its later reads keep).
  */
 Portal
 outbox_sql_cursor_open(OutboxStatement statement, Datum *values, const char *nulls)
 {
 	SPIPlanPtr	plan = outbox_plan(statement);
-	int			guc_nest_level = planning_settings_begin(statement);
+	const StatementDef *def = &statements[statement];
+	int			guc_nest_level = idem_plan_settings_begin(def->plan, def->walk_in_order);
 	Portal		portal;
 
 	portal = SPI_cursor_open(NULL, plan, values, nulls, false);
-	planning_settings_end(guc_nest_level);
+	idem_plan_settings_end(guc_nest_level);
 	return portal;
 }
 
 /*
  * Run one of the statements above under snapshot (registered by the caller)
  * rather than a new one, as SPI_execute_snapshot does; returns
- * SPI_processed.  Not for a walk_in_order statement.
+ * SPI_processed.  Only for a statement without planner settings.
  */
 uint64
 outbox_sql_run_snapshot(OutboxStatement statement, Datum *values, const char *nulls,
@@ -1079,7 +1031,8 @@ outbox_sql_run_snapshot(OutboxStatement statement, Datum *values, const char *nu
 {
 	int			ret;
 
-	Assert(!statements[statement].walk_in_order);
+	Assert(statements[statement].plan == IDEM_PLAN_AUTO &&
+		   !statements[statement].walk_in_order);
 	ret = SPI_execute_snapshot(outbox_plan(statement), values, nulls, snapshot,
 							   InvalidSnapshot, false, true, 0);
 	if (ret < 0)
