@@ -61,8 +61,8 @@ DECLARE
 	p_scope ALIAS FOR $1;
 	p_key ALIAS FOR $2;
 	p_fingerprint ALIAS FOR $3;
-	p_ttl interval := $4;
-	p_lease interval := $5;
+	p_ttl ALIAS FOR $4;		/* given the settings' defaults before a write */
+	p_lease ALIAS FOR $5;
 	p_wait ALIAS FOR $6;
 	k record;
 	found_row boolean;
@@ -73,44 +73,55 @@ DECLARE
 	decision text;
 	busy boolean;
 	in_line boolean;
-	waited boolean := false;
+	waited boolean;			/* NULL until the first wait, as false */
 	saved_lock_timeout text;
 	claimed boolean;
 BEGIN
-	/* the arguments, checked as the C edition checks them, in its order */
+	/*
+	 * The arguments, checked as the C edition checks them, in its order;
+	 * the usual call (a scope and a key, the settings' durations, a
+	 * writable transaction) is told in one expression: a PL/pgSQL
+	 * expression is set up again in each transaction, and a replay is a
+	 * handful of them.
+	 */
 	IF p_scope IS NULL OR p_key IS NULL OR octet_length(p_scope) > 255
-		OR octet_length(p_key) NOT BETWEEN 1 AND 255 THEN
-		PERFORM idempotency._check_identifier(p_scope, 'scope', 0);
-		PERFORM idempotency._check_identifier(p_key, 'key', 1);
-	END IF;
-	IF p_ttl IS NOT NULL AND now() + p_ttl <= now() THEN
-		PERFORM idempotency._duration_arg(p_ttl, 'ttl', 'idempotency.key_ttl', 's', 86400);
-	END IF;
-	IF p_lease IS NOT NULL AND now() + p_lease <= now() THEN
-		PERFORM idempotency._duration_arg(p_lease, 'lease', 'idempotency.lease', 'ms', 60000);
-	END IF;
-	IF p_wait IS NOT NULL THEN
-		now_ts := clock_timestamp();
-		IF now_ts + p_wait < now_ts THEN
-			RAISE EXCEPTION 'wait must not be negative'
-				USING ERRCODE = 'invalid_parameter_value',
-					  DETAIL = format('The value given was "%s".', p_wait),
-					  HINT = 'Give 0 or NULL to answer in_progress at once.';
+		OR octet_length(p_key) NOT BETWEEN 1 AND 255
+		OR p_ttl IS NOT NULL OR p_lease IS NOT NULL OR p_wait IS NOT NULL
+		OR current_setting('transaction_read_only') = 'on' THEN
+		IF p_scope IS NULL OR p_key IS NULL OR octet_length(p_scope) > 255
+			OR octet_length(p_key) NOT BETWEEN 1 AND 255 THEN
+			PERFORM idempotency._check_identifier(p_scope, 'scope', 0);
+			PERFORM idempotency._check_identifier(p_key, 'key', 1);
 		END IF;
-		IF now_ts + p_wait > now_ts + idempotency._duration_setting('idempotency.max_wait', 'ms', 60000, 0) THEN
-			RAISE EXCEPTION 'wait must not exceed idempotency.max_wait (%)',
-				idempotency._setting_text(extract(epoch FROM
-					idempotency._duration_setting('idempotency.max_wait', 'ms', 60000, 0))::bigint * 1000, 'ms')
-				USING ERRCODE = 'invalid_parameter_value',
-					  DETAIL = format('The value given was "%s".', p_wait),
-					  HINT = 'A waiting claim holds its connection: wait less and let the client retry, or raise the setting.';
+		IF p_ttl IS NOT NULL AND now() + p_ttl <= now() THEN
+			PERFORM idempotency._duration_arg(p_ttl, 'ttl', 'idempotency.key_ttl', 's', 86400);
 		END IF;
-		IF now_ts + p_wait > now_ts THEN
-			deadline := now_ts + p_wait;
+		IF p_lease IS NOT NULL AND now() + p_lease <= now() THEN
+			PERFORM idempotency._duration_arg(p_lease, 'lease', 'idempotency.lease', 'ms', 60000);
 		END IF;
-	END IF;
-	IF current_setting('transaction_read_only') = 'on' THEN
-		PERFORM idempotency._require_writable('idem_claim()');
+		IF p_wait IS NOT NULL THEN
+			now_ts := clock_timestamp();
+			IF now_ts + p_wait < now_ts THEN
+				RAISE EXCEPTION 'wait must not be negative'
+					USING ERRCODE = 'invalid_parameter_value',
+						  DETAIL = format('The value given was "%s".', p_wait),
+						  HINT = 'Give 0 or NULL to answer in_progress at once.';
+			END IF;
+			IF now_ts + p_wait > now_ts + idempotency._duration_setting('idempotency.max_wait', 'ms', 60000, 0) THEN
+				RAISE EXCEPTION 'wait must not exceed idempotency.max_wait (%)',
+					idempotency._setting_text(extract(epoch FROM
+						idempotency._duration_setting('idempotency.max_wait', 'ms', 60000, 0))::bigint * 1000, 'ms')
+					USING ERRCODE = 'invalid_parameter_value',
+						  DETAIL = format('The value given was "%s".', p_wait),
+						  HINT = 'A waiting claim holds its connection: wait less and let the client retry, or raise the setting.';
+			END IF;
+			IF now_ts + p_wait > now_ts THEN
+				deadline := now_ts + p_wait;
+			END IF;
+		END IF;
+		IF current_setting('transaction_read_only') = 'on' THEN
+			PERFORM idempotency._require_writable('idem_claim()');
+		END IF;
 	END IF;
 
 	LOOP
@@ -120,22 +131,20 @@ BEGIN
 		found_row := FOUND;
 		now_ts := clock_timestamp();
 
-		IF NOT found_row THEN
-			decision := 'new';
-		ELSIF k.expires_at <= now_ts THEN
-			decision := 'reset';
-		ELSIF k.fingerprint IS NOT NULL AND p_fingerprint IS NOT NULL
-			AND k.fingerprint <> p_fingerprint COLLATE "C" THEN
-			RETURN ROW('mismatch', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)::idempotency.claim_result;
-		ELSIF k.status_code IS NOT NULL THEN
+		/* mine: never taken over (nor waited for) by its own transaction */
+		decision := CASE WHEN NOT found_row THEN 'new'
+					WHEN k.expires_at <= now_ts THEN 'reset'
+					WHEN k.fingerprint IS NOT NULL AND p_fingerprint IS NOT NULL
+						AND k.fingerprint <> p_fingerprint COLLATE "C" THEN 'mismatch'
+					WHEN k.status_code IS NOT NULL THEN 'replay'
+					WHEN idempotency._written_by_us(k.row_xmin) THEN 'mine'
+					WHEN k.lease_expires_at > now_ts THEN 'held'
+					ELSE 'takeover' END;
+		IF decision = 'replay' THEN
 			RETURN ROW('replay', k.status_code, k.body, k.headers, k.attempt, k.recovery_point,
 					   k.created_at, NULL, k.expires_at)::idempotency.claim_result;
-		ELSIF idempotency._written_by_us(k.row_xmin) THEN
-			decision := 'mine';		/* never taken over (nor waited for) by its own transaction */
-		ELSIF k.lease_expires_at > now_ts THEN
-			decision := 'held';
-		ELSE
-			decision := 'takeover';
+		ELSIF decision = 'mismatch' THEN
+			RETURN ROW('mismatch', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)::idempotency.claim_result;
 		END IF;
 
 		busy := false;
@@ -369,8 +378,10 @@ BEGIN
 	ELSE
 		released := idempotency._status_is_released($3);
 	END IF;
-	/* a body to store must fit idempotency.max_response_bytes */
-	IF NOT released AND octet_length($4) > idempotency._bytes_setting('idempotency.max_response_bytes', 1048576, 1073741823) THEN
+	/* a body to store must fit idempotency.max_response_bytes (the default inline) */
+	IF NOT released AND octet_length($4) >
+		(CASE WHEN coalesce(current_setting('idempotency.max_response_bytes', true), '') = '' THEN 1048576
+		 ELSE idempotency._bytes_setting('idempotency.max_response_bytes', 1048576, 1073741823) END) THEN
 		RAISE EXCEPTION 'response body is too large to store'
 			USING ERRCODE = 'program_limit_exceeded',
 				  DETAIL = format('It is %s bytes long; the limit, idempotency.max_response_bytes, is %s.',

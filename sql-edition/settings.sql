@@ -60,7 +60,8 @@ AS $$
 DECLARE
 	value text := current_setting(name, true);
 	units double precision;
-	scale constant jsonb := '{"us": 0.001, "ms": 1, "s": 1000, "min": 60000, "h": 3600000, "d": 86400000}';
+	/* typed, so that the constant is parsed once a backend, not at each call */
+	scale constant jsonb := '{"us": 0.001, "ms": 1, "s": 1000, "min": 60000, "h": 3600000, "d": 86400000}'::jsonb;
 BEGIN
 	IF value IS NULL OR value = '' THEN
 		units := default_units;
@@ -291,7 +292,8 @@ AS $$
 DECLARE
 	value text := current_setting(name, true);
 	amount double precision;
-	scale constant jsonb := '{"B": 1, "kB": 1024, "MB": 1048576, "GB": 1073741824, "TB": 1099511627776}';
+	/* typed, as above */
+	scale constant jsonb := '{"B": 1, "kB": 1024, "MB": 1048576, "GB": 1073741824, "TB": 1099511627776}'::jsonb;
 BEGIN
 	IF value IS NULL OR value = '' THEN
 		RETURN default_bytes;
