@@ -25,6 +25,7 @@ set -euo pipefail
 umask 022
 cd "$(dirname "$0")/.."
 src=$PWD
+. scripts/apt.sh
 
 step="setup"
 say() { echo "== $*"; }
@@ -44,12 +45,11 @@ need() {
 			missing+=("$p")
 	done
 	[ ${#missing[@]} -eq 0 ] && return 0
-	say "installing ${missing[*]}"
 	if [ -z "$updated" ]; then
 		apt-get update -qq
 		updated=1
 	fi
-	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+	apt_guarded_install "${major:-}" "$step" --no-upgrade -- "${missing[@]}"
 }
 
 # The server version
@@ -217,7 +217,7 @@ if [ "$(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null)" != installed
 	awk '$1 !~ /^d/ { print substr($6, 2) }' "$scratch/contents" | save_files
 fi
 say "install $(basename "$deb")"
-apt-get install -y -qq --no-install-recommends --reinstall "$deb" >/dev/null
+apt_guarded_install "$major" "$step" --reinstall -- "$deb"
 owner=$(dpkg -S "$so" | cut -d: -f1)
 [ "$owner" = "$pkg" ] || {
 	echo "check-deb: $so belongs to '$owner', not $pkg" >&2

@@ -14,8 +14,8 @@
 # script says what to install and fails.  Before installing, it says which
 # packages it installs and which installed ones their dependencies upgrade;
 # it never upgrades an installed server (postgresql-NN: its running clusters
-# would restart) unless ALLOW_UPGRADE=1 says so.  No service starts during
-# the install (see the policy below); the tests and the demo start servers
+# would restart) unless ALLOW_UPGRADE=1 says so, and no service starts
+# during the install (scripts/apt.sh); the tests and the demo start servers
 # of their own.
 #
 set -euo pipefail
@@ -89,78 +89,7 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 
-# the version of an installed package, or nothing (dpkg-query fails on a
-# package it never saw)
-installed_version() {
-	{ dpkg-query -W -f '${Status} ${Version}\n' "$1" 2>/dev/null || true; } |
-		sed -n 's/^install ok installed //p'
-}
-
-# apt-get installs the newest version of a new package's dependencies,
-# upgrading those already installed: the server's packages, when
-# installed, are named at their installed version (which keeps them), and
-# the development package is taken at the server's own version when the
-# archive still has it (its headers then match the server exactly).
-keep=()
-server_version=$(installed_version "postgresql-$PG_MAJOR")
-if [ -z "${ALLOW_UPGRADE:-}" ]; then
-	for pkg in "postgresql-$PG_MAJOR" "postgresql-client-$PG_MAJOR"; do
-		version=$(installed_version "$pkg")
-		[ -n "$version" ] && keep+=("$pkg=$version")
-	done
-fi
-for i in "${!missing[@]}"; do
-	if [ "${missing[$i]}" = "postgresql-server-dev-$PG_MAJOR" ] && [ -n "$server_version" ] &&
-		apt-cache madison "postgresql-server-dev-$PG_MAJOR" | awk -F' *\\| *' '{ print $2 }' |
-		grep -qxF "$server_version"; then
-		missing[$i]="postgresql-server-dev-$PG_MAJOR=$server_version"
-	fi
-done
-
-# What apt-get would do, before it does it: "Inst NAME [OLD] (NEW ...)" is
-# an upgrade, "Inst NAME (NEW ...)" a new package.
-apt_install=(apt-get install -y --no-install-recommends --no-upgrade)
-plan=$("${apt_install[@]}" -s "${missing[@]}" "${keep[@]}") || {
-	echo "$plan" >&2
-	echo "apt-get cannot install: ${missing[*]}${keep[*]:+ (keeping ${keep[*]})}" >&2
-	[ ${#keep[@]} -eq 0 ] || echo "ALLOW_UPGRADE=1 lets it upgrade the installed server" >&2
-	exit 1
-}
-new=$(echo "$plan" | sed -n 's/^Inst \([^ ]*\) (\([^ ]*\) .*/\1/p' | wc -l)
-upgrades=$(echo "$plan" | sed -n 's/^Inst \([^ ]*\) \[\([^]]*\)\] (\([^ ]*\) .*/\1 \2 -> \3/p')
-echo "== installing with apt-get ($need): ${missing[*]}"
-echo "   ($new new packages with their dependencies; apt-get's output follows)"
-if [ -n "$upgrades" ]; then
-	echo "   upgrading installed packages their dependencies need:"
-	echo "$upgrades" | sed 's/^/     /'
-	servers=$(echo "$upgrades" | grep -E '^postgresql-[0-9]+ ' || true)
-	if [ -n "$servers" ] && [ -z "${ALLOW_UPGRADE:-}" ]; then
-		echo "this would upgrade an installed PostgreSQL server (${servers%% *}), which restarts its" >&2
-		echo "running clusters: upgrade it yourself first (apt-get install ${servers%% *})," >&2
-		echo "or run again with ALLOW_UPGRADE=1" >&2
-		exit 1
-	fi
-fi
-
-# No service starts during the install: postgresql-NN's cluster, pgbouncer's
-# and the exporter's services (newer exporters listen on :9187, every
-# interface, even with no database configured) would start where an init
-# system runs, and where none runs (a container, a chroot) their
-# post-install scripts fail trying.  Unless the machine has a policy of its
-# own, one that refuses every service (exit 101: "action forbidden", see
-# invoke-rc.d(8)) is in place during the install.
-policy=
-if [ ! -e /usr/sbin/policy-rc.d ]; then
-	policy=/usr/sbin/policy-rc.d
-	trap 'rm -f "$policy"' EXIT
-	printf '%s\n' '#!/bin/sh' '# scripts/deps.sh: no service starts while it installs' 'exit 101' >"$policy"
-	chmod 755 "$policy"
-fi
-# the per-file lines of unpacking say nothing: the rest is shown
-if ! "${apt_install[@]}" -q "${missing[@]}" "${keep[@]}" |
-	{ grep -Ev '^(Get:|Selecting previously unselected|Preparing to unpack|Unpacking|\(Reading database)' || true; }; then
-	echo "apt-get install failed: ${missing[*]}" >&2
-	exit 1
-fi
+. "$(dirname "$0")/apt.sh"
+apt_guarded_install "$PG_MAJOR" "$need" --no-upgrade -- "${missing[@]}" || exit 1
 echo "== installed: ${missing[*]%%=*}"
 echo "   (to remove them later: apt-get purge ${missing[*]%%=*} && apt-get autoremove)"
