@@ -529,6 +529,23 @@ END
 $$;
 
 /*
+ * The fence of an acknowledgement: each id's attempts as given beside its
+ * first place in ids (array_position's answer; C's ACK_FENCE), for the
+ * statements below to test a row IN them, which the planner hashes (a
+ * semi-join, or a hashed subplan), where a look-up of the id in ids for
+ * each row read ids from its start every time (a fenced ack of 40,000 rows
+ * took 17.6 s in C that way).  Inlined where it is called.
+ */
+CREATE FUNCTION idempotency._fence_pairs(p_ids bigint[], p_attempts integer[])
+RETURNS TABLE (id bigint, attempts integer)
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+	SELECT DISTINCT ON (f.id) f.id, f.attempts
+	FROM ROWS FROM (pg_catalog.unnest(p_ids), pg_catalog.unnest(p_attempts)) WITH ORDINALITY AS f (id, attempts, n)
+	ORDER BY f.id, f.n
+$$;
+
+/*
  * The acknowledgement of ids (fenced: each still under the hand-out whose
  * attempts p_attempts gives beside it), as acknowledge_on in
  * src/outbox/outbox.c: the order check (STMT_ACK_CHECK, or its fenced form);
@@ -580,7 +597,7 @@ BEGIN
 			  AND e.id >= f.id AND e.id < k.newest
 			  AND e.state <> 'published' AND e.published_at IS NULL
 			  AND NOT coalesce(e.id = ANY (p_ids) AND e.state = 'leased'
-							   AND (NOT fenced OR e.attempts = (p_attempts)[array_position(p_ids, e.id)]), false)
+							   AND (NOT fenced OR (e.id, e.attempts) IN (SELECT * FROM idempotency._fence_pairs(p_ids, p_attempts))), false)
 			ORDER BY e.id LIMIT 1) b
 	)
 	SELECT array_agg(o.id ORDER BY o.topic, o.key, o.id), array_agg(o.topic ORDER BY o.topic, o.key, o.id),
@@ -588,7 +605,7 @@ BEGIN
 	INTO c_ids, c_topics, c_keys
 	FROM idempotency.outbox o
 	WHERE o.id = ANY (p_ids) AND o.state = 'leased'
-	  AND (NOT fenced OR o.attempts = (p_attempts)[array_position(p_ids, o.id)])
+	  AND (NOT fenced OR (o.id, o.attempts) IN (SELECT * FROM idempotency._fence_pairs(p_ids, p_attempts)))
 	  AND NOT EXISTS (
 		  SELECT FROM blocking b
 		  WHERE b.topic = o.topic AND b.key = o.key AND b.id < o.id);
@@ -605,7 +622,7 @@ BEGIN
 		/* STMT_ACK_HOLD, STMT_ACK_FENCED_HOLD */
 		held := ARRAY(SELECT o.id FROM idempotency.outbox o
 					  WHERE o.id = ANY (hold) AND o.state = 'leased'
-						AND (NOT fenced OR o.attempts = (p_attempts)[array_position(p_ids, o.id)])
+						AND (NOT fenced OR (o.id, o.attempts) IN (SELECT * FROM idempotency._fence_pairs(p_ids, p_attempts)))
 					  ORDER BY o.id FOR UPDATE OF o);
 		/* in each chain, the first row not held (its last is never) and those after it */
 		SELECT array_agg(w.id) INTO dropped
@@ -623,11 +640,11 @@ BEGIN
 	IF keep THEN
 		UPDATE idempotency.outbox o SET state = 'published', published_at = now_ts
 		WHERE o.id = ANY (c_ids) AND o.state = 'leased'
-		  AND (NOT fenced OR o.attempts = (p_attempts)[array_position(p_ids, o.id)]);
+		  AND (NOT fenced OR (o.id, o.attempts) IN (SELECT * FROM idempotency._fence_pairs(p_ids, p_attempts)));
 	ELSE
 		DELETE FROM idempotency.outbox o
 		WHERE o.id = ANY (c_ids) AND o.state = 'leased'
-		  AND (NOT fenced OR o.attempts = (p_attempts)[array_position(p_ids, o.id)]);
+		  AND (NOT fenced OR (o.id, o.attempts) IN (SELECT * FROM idempotency._fence_pairs(p_ids, p_attempts)));
 	END IF;
 	GET DIAGNOSTICS acknowledged = ROW_COUNT;
 	RETURN acknowledged;

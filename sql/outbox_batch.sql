@@ -179,7 +179,9 @@ SELECT attempts AS after_requeue FROM idem_outbox_fetch('requeued', 1, '1 hour')
 SELECT idem_outbox_ack(ARRAY[:r_id]::bigint[], ARRAY[1]) AS ack_first_handout,
        idem_outbox_ack(ARRAY[:r_id]::bigint[], ARRAY[2]) AS ack_second_handout,
        idem_outbox_nack(:r_id, 'stale', 2) AS nack_second_handout;
-SELECT idem_outbox_ack(ARRAY[:r_id]::bigint[], ARRAY[3]) AS ack_after_requeue;
+-- an id given twice is fenced by the attempts beside its first place
+SELECT idem_outbox_ack(ARRAY[:r_id, :r_id]::bigint[], ARRAY[2, 3]) AS twice_first_stale;
+SELECT idem_outbox_ack(ARRAY[:r_id, :r_id]::bigint[], ARRAY[3, 2]) AS ack_after_requeue;
 RESET idempotency.outbox_max_attempts;
 
 -- A relation of another kind under the name of an index the check reads (a

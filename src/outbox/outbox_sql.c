@@ -177,8 +177,19 @@
  * snapshot, goes through the same hold and write (ACK_CHECKED_WHERE: see
  * acknowledge_on in outbox/outbox.c).
  */
+/*
+ * The fence: a row is taken under the hand-out that attempts ($3) gives
+ * beside its id in $1, the first position of the id where it is there
+ * twice (array_position's answer).  Written as a row IN a set of pairs,
+ * which the planner hashes (a semi-join, or a hashed subplan), rather than
+ * a look-up of array_position for each row, which read $1 from its start
+ * for each row: a fenced ack of 40,000 rows took 17.6 s, against 0.2 s
+ * unfenced.
+ */
 #define ACK_FENCE(alias) \
-	" AND " alias ".attempts = ($3)[array_position($1, " alias ".id)]"
+	" AND (" alias ".id, " alias ".attempts) IN (" \
+	"  SELECT DISTINCT ON (f.id) f.id, f.attempts" \
+	"  FROM unnest($1, $3) WITH ORDINALITY AS f (id, attempts, n) ORDER BY f.id, f.n)"
 #define ACK_BLOCKING(fence) \
 	"WITH taken AS MATERIALIZED (" \
 	"  SELECT a.topic, a.key, max(a.id) AS newest FROM idempotency.outbox a" \
