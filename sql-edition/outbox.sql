@@ -596,7 +596,7 @@ BEGIN
 			WHERE e.topic = k.topic AND e.key = k.key
 			  AND e.id >= f.id AND e.id < k.newest
 			  AND e.state <> 'published' AND e.published_at IS NULL
-			  AND NOT coalesce(e.id = ANY (p_ids) AND e.state = 'leased'
+			  AND NOT coalesce(e.id IN (SELECT pg_catalog.unnest(p_ids)) AND e.state = 'leased'
 							   AND (NOT fenced OR (e.id, e.attempts) IN (SELECT * FROM idempotency._fence_pairs(p_ids, p_attempts))), false)
 			ORDER BY e.id LIMIT 1) b
 	)
@@ -699,7 +699,7 @@ BEGIN
 				  DETAIL = format('Their lengths are %s and %s; attempts gives the attempt of each id, as fetched.',
 								  coalesce(cardinality(p_ids), 0), coalesce(cardinality(p_attempts), 0));
 	END IF;
-	/* array_position counts from the lower bound: both must start at 1 */
+	/* 1.1's rule, kept: the arrays pair by position, both from 1 */
 	IF cardinality(p_ids) > 0 AND (array_lower(p_ids, 1) <> 1 OR array_lower(p_attempts, 1) <> 1) THEN
 		RAISE EXCEPTION 'ids and attempts must be indexed from 1' USING ERRCODE = 'array_subscript_error';
 	END IF;

@@ -168,7 +168,10 @@
  * have a blocking row are kept (the lateral join drops the others), so that
  * in the common case, nothing held back, the anti-join below reads an empty
  * list rather than one row per key for each row.  A row without a key
- * meets no blocking row (NULL equals nothing).
+ * meets no blocking row (NULL equals nothing).  Whether a row the walk
+ * meets is taken is asked of $1 as a set (IN, hashed), not by = ANY,
+ * which reads the array from its start for each row: the walk meets about
+ * as many rows as were taken, so that was quadratic in them.
  *
  * outbox_ack.c reads the same check from the indexes, a descent per key
  * rather than a rescan of this plan per key; this statement (ACK_CHECK) is
@@ -188,8 +191,8 @@
  */
 #define ACK_FENCE(alias) \
 	" AND (" alias ".id, " alias ".attempts) IN (" \
-	"  SELECT DISTINCT ON (f.id) f.id, f.attempts" \
-	"  FROM unnest($1, $3) WITH ORDINALITY AS f (id, attempts, n) ORDER BY f.id, f.n)"
+	"  SELECT DISTINCT ON (p.id) p.id, p.attempts" \
+	"  FROM unnest($1, $3) WITH ORDINALITY AS p (id, attempts, n) ORDER BY p.id, p.n)"
 #define ACK_BLOCKING(fence) \
 	"WITH taken AS MATERIALIZED (" \
 	"  SELECT a.topic, a.key, max(a.id) AS newest FROM idempotency.outbox a" \
@@ -208,7 +211,7 @@
 	"      WHERE e.topic = k.topic AND e.key = k.key" \
 	"        AND e.id >= f.id AND e.id < k.newest" \
 	"        AND e.state <> 'published' AND e.published_at IS NULL" \
-	"        AND NOT coalesce(e.id = ANY ($1) AND e.state = 'leased'" fence("e") ", false)" \
+	"        AND NOT coalesce(e.id IN (SELECT unnest($1)) AND e.state = 'leased'" fence("e") ", false)" \
 	"      ORDER BY e.id LIMIT 1) b" \
 	") "
 #define ACK_WHERE(fence) \
