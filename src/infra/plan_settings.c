@@ -5,7 +5,7 @@
  *	  statements (outbox/outbox_sql.c) and the events' batch look
  *	  (events/events.c).
  *
- * Owns: plan_cache_mode and the planner's enable_* settings for the
+ * Owns: plan_cache_mode, the planner's enable_* settings and jit for the
  *	  length of one execution (the statement may be planned then).
  * May call: the server only.
  *

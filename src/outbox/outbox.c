@@ -1353,7 +1353,7 @@ idem_outbox_ack_fenced(PG_FUNCTION_ARGS)
 				 errmsg("ids and attempts must be equally long"),
 				 errdetail("Their lengths are %d and %d; attempts gives the attempt of each id, as fetched.",
 						   nids, nattempts)));
-	/* array_position counts from the lower bound: both must start at 1 */
+	/* 1.1's rule, kept: the arrays pair by position, both from 1 */
 	if (nids > 0 && (ARR_LBOUND(ids)[0] != 1 || ARR_LBOUND(attempts)[0] != 1))
 		ereport(ERROR,
 				(errcode(ERRCODE_ARRAY_SUBSCRIPT_ERROR),
