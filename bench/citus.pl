@@ -55,7 +55,7 @@ $plain->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 # a tenant per client (of 16), spread over the shards; a new key each transaction
 my $dir = $coordinator->basedir;
 append_to_file("$dir/claim_complete.sql", q{
-\set n random(1, 1000000000)
+\set n random(1, 9000000000000000000)
 BEGIN;
 SELECT idempotency.idem_claim('tenant-' || (:client_id % 16), 'k-' || :n || '-' || :client_id);
 SELECT idempotency.idem_complete('tenant-' || (:client_id % 16), 'k-' || :n || '-' || :client_id, 201, 'ok');
@@ -68,7 +68,7 @@ SELECT idempotency.idem_claim('tenant-' || (:n % 16), 'r-' || :n);
 });
 # one event on the client's topic (of 16), with one of 50 ordering keys
 append_to_file("$dir/enqueue.sql", q{
-\set n random(1, 1000000000)
+\set n random(1, 9000000000000000000)
 SELECT idempotency.idem_outbox_enqueue('topic-' || (:client_id % 16), '{"order": 1, "sku": "A-1"}', 'key-' || (:n % 50));
 });
 
@@ -83,7 +83,7 @@ $coordinator->safe_psql('postgres', q{
 	SELECT create_distributed_table('router_events', 'topic', colocate_with => 'idempotency.outbox');
 });
 append_to_file("$dir/router_claim_complete.sql", q{
-\set n random(1, 1000000000)
+\set n random(1, 9000000000000000000)
 BEGIN;
 INSERT INTO router_keys (scope, key) VALUES ('tenant-' || (:client_id % 16), 'k-' || :n || '-' || :client_id) ON CONFLICT (scope, key) DO NOTHING;
 UPDATE router_keys SET status_code = 201, body = 'ok' WHERE scope = 'tenant-' || (:client_id % 16) AND key = 'k-' || :n || '-' || :client_id;
@@ -108,11 +108,11 @@ $coordinator->safe_psql('postgres', q{
 		colocate_with => 'router_events', force_delegation => true);
 });
 append_to_file("$dir/delegated_enqueue.sql", q{
-\set n random(1, 1000000000)
+\set n random(1, 9000000000000000000)
 SELECT bench_delegated_insert('topic-' || (:client_id % 16), 'key-' || (:n % 50), '{"order": 1, "sku": "A-1"}');
 });
 append_to_file("$dir/router_enqueue.sql", q{
-\set n random(1, 1000000000)
+\set n random(1, 9000000000000000000)
 INSERT INTO router_events (topic, key, payload) VALUES ('topic-' || (:client_id % 16), 'key-' || (:n % 50), '{"order": 1, "sku": "A-1"}');
 });
 
@@ -161,6 +161,9 @@ sub tps
 			'-T', $seconds, '-f', $script,
 			'-h', $node->host, '-p', $node->port, 'postgres'
 		]);
+	# a client that failed (pgbench stops it) would leave the figure to the
+	# others: a figure counts every client or none
+	die "pgbench: clients aborted against " . $node->name . ": $err" if $err =~ /aborted/;
 	my ($tps) = $out =~ /tps = ([\d.]+) \(without initial connection time\)/;
 	die "pgbench failed against " . $node->name . ": $err" unless defined $tps;
 	return $tps;
