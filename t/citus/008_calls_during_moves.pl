@@ -1,9 +1,12 @@
 # Calls through the coordinator while their tenant's shard group moves:
-# 4 sessions loop, one through claim + complete, one through enqueue, one
-# through mark_processed and one through a plain router INSERT into the
-# colocated table payments, all for tenant t1, while t1's shard group moves
-# between the two workers 4 times in block_writes mode and 4 times in
-# force_logical mode.  Every call of ours
+# 7 sessions loop, one through claim + complete, one through enqueue, one
+# through mark_processed, one through a plain router INSERT into the
+# colocated table payments, all for tenant t1, one through claim +
+# release, and two relays on topics of the same shard group, each
+# enqueueing a row and fetching one, one acknowledging it and the other
+# nacking it (both fenced), while t1's shard group moves between the two
+# workers 4 times in block_writes mode and 4 times in force_logical mode.
+# Every call of ours
 # must succeed, as Citus's own router INSERT does (it waits behind the move
 # and lands on the new placement), and afterwards the tables hold exactly
 # the rows of the calls that succeeded: none lost, none twice.
@@ -40,12 +43,26 @@ sub call { return $c->safe_psql('postgres', $_[0]); }
 my $shard = call(q{SELECT get_shard_id_for_distribution_column('idempotency.keys', 't1'::text)});
 my @modes = ('block_writes', 'force_logical');
 my $moves_per_mode = 4;
-my $sessions = 4;
+my $sessions = 7;
 my $batch = 3;    # iterations fed to a session at a time
 
 # what each session calls: one kind each, so that each kind meets the moves
 # on its own, not only when the others leave it room
-my @kinds = (undef, 'claim', 'enqueue', 'mark_processed', 'insert');
+my @kinds = (undef, 'claim', 'enqueue', 'mark_processed', 'insert', 'release', 'ack', 'nack');
+my @all_kinds = qw(claim complete enqueue mark_processed insert release relay_enqueue fetch ack nack);
+
+# the relays' topics: two values whose outbox shard is t1's, so that they
+# move with it
+my @relay_topics;
+for my $n (1 .. 1000)
+{
+	last if @relay_topics == 2;
+	push @relay_topics, "r$n"
+	  if call(qq{SELECT get_shard_id_for_distribution_column('idempotency.outbox', 'r$n'::text)
+		= get_shard_id_for_distribution_column('idempotency.outbox', 't1'::text)}) eq 't';
+}
+die "no topics of t1's shard" unless @relay_topics == 2;
+my %relay_topic = (ack => $relay_topics[0], nack => $relay_topics[1]);
 
 # One iteration of session $s, number $i: its calls, each echoing its outcome.
 sub iteration
@@ -91,7 +108,50 @@ INSERT INTO payments VALUES ('t1', $n, 1);
 \\else
 \\echo ok insert $id
 \\endif
+},
+		release => qq{
+EXECUTE claim('t1', 'x-$id') \\gset
+\\if :ERROR
+\\echo fail release $id :SQLSTATE
+\\else
+SELECT idempotency.idem_release('t1', 'x-$id') AS released \\gset
+\\if :ERROR
+\\echo fail release $id :SQLSTATE
+\\else
+\\echo ok release $id
+\\endif
+\\endif
 });
+	for my $end ('ack', 'nack')
+	{
+		my $topic = $relay_topic{$end};
+		my $call = $end eq 'ack'
+		  ? "idempotency.idem_outbox_ack(ARRAY[:fetched_id]::bigint[], ARRAY[:fetched_attempts])"
+		  : "idempotency.idem_outbox_nack(:fetched_id, 'refused', :fetched_attempts)";
+		$calls{$end} = qq{
+SELECT idempotency.idem_outbox_enqueue('$topic', '{"id": "$id"}') AS relay_enqueued \\gset
+\\if :ERROR
+\\echo fail relay_enqueue $id :SQLSTATE
+\\else
+\\echo ok relay_enqueue $id
+SELECT count(*) AS fetched_rows, min(id) AS fetched_id, min(attempts) AS fetched_attempts
+FROM idempotency.idem_outbox_fetch('$topic', 1) \\gset
+\\if :ERROR
+\\echo fail fetch $id :SQLSTATE
+\\elif :fetched_rows
+\\echo ok fetch $id
+SELECT $call AS ended \\gset
+\\if :ERROR
+\\echo fail $end $id :SQLSTATE
+\\else
+\\echo ok $end $id :ended
+\\endif
+\\else
+\\echo ok fetch $id (none)
+\\endif
+\\endif
+};
+	}
 	return $calls{ $kinds[$s] } . "\\echo done $s $i\n";
 }
 
@@ -173,14 +233,16 @@ is($moved, scalar @moves, "t1's shard group moved " . scalar(@moves) . ' times')
 
 # the outcomes, per kind
 my (%ok, %failed, %ids, %sqlstates);
+my $acked = 0;
 for my $s (1 .. $sessions)
 {
 	for my $line (split /\n/, $out[$s])
 	{
-		if ($line =~ /^ok (\w+) (\S+)/)
+		if ($line =~ /^ok (\w+) (\S+)(?: (\S+))?/)
 		{
 			$ok{$1}++;
 			push @{ $ids{$1} }, $2;
+			$acked += $3 if $1 eq 'ack';
 		}
 		elsif ($line =~ /^fail (\w+) ((\d+)-(\d+)) (\w+)/)
 		{
@@ -196,7 +258,7 @@ for my $s (1 .. $sessions)
 my $iterations = 0;
 $iterations += finished($_) for 1 .. $sessions;
 note("$iterations iterations; ok: "
-	  . join(', ', map { "$_ " . ($ok{$_} // 0) } qw(claim complete enqueue mark_processed insert))
+	  . join(', ', map { "$_ " . ($ok{$_} // 0) } @all_kinds)
 	  . '; failed: ' . join(', ', map { "$_ $sqlstates{$_}" } sort keys %sqlstates));
 if (%failed)
 {
@@ -207,7 +269,7 @@ if (%failed)
 	}
 	diag("errors seen: " . join("\n", sort keys %first));
 }
-for my $kind (qw(claim complete enqueue mark_processed insert))
+for my $kind (@all_kinds)
 {
 	is($failed{$kind} // 0, 0, "no $kind failed during the moves");
 }
@@ -233,6 +295,20 @@ rows_are(q{SELECT substr(event_id, 3) FROM idempotency.processed_events
 	'mark_processed', 'processed events');
 rows_are(q{SELECT (id / 1000000) || '-' || (id % 1000000) FROM payments WHERE tenant = 't1'},
 	'insert', 'payments');
+
+# released keys are gone; the relays' rows: the acknowledged ones gone,
+# the nacked ones back (pending), none lost, none twice
+is(call(q{SELECT count(*) FROM idempotency.keys WHERE scope = 't1' AND key LIKE 'x-%'}), '0',
+	'released keys: none left');
+my ($ack_topic, $nack_topic) = @relay_topic{ 'ack', 'nack' };
+my @ack_enqueued = grep { /^6-/ } @{ $ids{relay_enqueue} // [] };
+my @nack_enqueued = grep { /^7-/ } @{ $ids{relay_enqueue} // [] };
+is(call(qq{SELECT count(*) FROM idempotency.outbox WHERE topic = '$ack_topic'}),
+	scalar(@ack_enqueued) - $acked, 'the relay that acknowledges: its rows less those acknowledged');
+is(call(qq{SELECT count(DISTINCT payload->>'id') || ' ' || count(*) FROM idempotency.outbox
+		WHERE topic = '$nack_topic'}),
+	scalar(@nack_enqueued) . ' ' . scalar(@nack_enqueued), 'the relay that nacks: every row, once');
+ok($acked > 0 && ($ok{nack} // 0) > 0, "acknowledged $acked rows, nacked " . ($ok{nack} // 0));
 
 # every key completed replays its response
 my ($first_completed) = sort @{ $ids{complete} // [] };
