@@ -17,20 +17,19 @@ import inspect
 import logging
 from typing import Any, Awaitable, Callable, MutableMapping, Optional
 
-from datetime import timedelta
-
 import psycopg
 from psycopg import AsyncConnection, pq
 from starlette.datastructures import URL
 from starlette.requests import Request
 
 from ._protocol import (
-    CHECKPOINT, CLAIM, COMPLETE, COMPLETE_OR_ABORT, EXTEND_LEASE, LEASE_LEFT, ONE_TRANSACTION, RELEASE,
-    RELEASED, Answer, Claim, Context, IdempotencyKeyLost, Options, body_too_large, bounded_scope,
-    check_mode, claim_times, complete_params, default_fingerprint, default_scope, is_lost_key,
-    is_too_large, likely_stored, lost_key, missing_key, not_claimed, parse_key, sqlstate,
-    too_large,
+    CHECKPOINT, CLAIM, COMPLETE, COMPLETE_OR_ABORT, EXTEND_LEASE, LEASE_LEFT,
+    ONE_TRANSACTION, RELEASE, RELEASED, Answer, Claim, Context, IdempotencyKeyLost, Options,
+    body_too_large, bounded_scope, check_mode, claim_times, complete_params, default_fingerprint,
+    default_scope, is_lost_key, is_too_large, likely_stored, lost_key, missing_key, not_claimed,
+    parse_key, sqlstate, too_large,
 )
+from ._simple import Statements, claim_of, int_of
 
 __all__ = ["IdempotencyMiddleware", "idempotency_connection", "IdempotencyKeyLost"]
 
@@ -116,118 +115,10 @@ async def _fetch(conn: AsyncConnection[Any], sql: str, params: tuple[Any, ...]) 
     return await cursor.fetchone()
 
 
-class _Statements:
-    """Statements with %s arguments sent as one query string: bound here as
-    literals, sent by the simple protocol, read back from libpq directly.
-
-    The one-transaction mode's two round trips of its own (BEGIN with the
-    claim, the completion with COMMIT) go this way, as in the Node package:
-    the simple protocol runs several statements in one string and prepares
-    nothing, which is safe through pgbouncer's transaction pooling; and
-    with libpq's calls only (psycopg.pq, its public wrapper), a round trip
-    costs a third of the Python that a psycopg cursor's costs. A text
-    argument with a quote or a backslash is escaped by PQescapeLiteral,
-    for the connection's encoding and settings as they are at that moment;
-    one without either (the usual) needs no escaping: it is quoted as it is.
-    """
-
-    def __init__(self, sql: str) -> None:
-        self.parts = [part.encode("ascii") for part in sql.split("%s")]
-
-    async def send(self, conn: AsyncConnection[Any], params: tuple[Any, ...],
-                   row_of: int = 0) -> Optional[list[Optional[str]]]:
-        """The row of statement ``row_of`` (as text), or None without one.
-
-        The first statement that fails raises its error (psycopg's class
-        for its SQLSTATE), and the server skips those after it.
-        """
-        pgconn = conn.pgconn
-        encoding = conn.info.encoding
-        query = [self.parts[0]]
-        for value, part in zip(params, self.parts[1:]):
-            query.append(_literal(pgconn, encoding, value))
-            query.append(part)
-        async with conn.lock:  # as psycopg's own calls: one at a time
-            results = await _exchange(pgconn, b"".join(query))
-        for result in results:
-            if result.status == pq.ExecStatus.FATAL_ERROR:
-                raise psycopg.errors.error_from_result(result, encoding=encoding)
-        result = results[row_of]
-        if result.ntuples == 0:
-            return None
-        return [None if value is None else value.decode(encoding)
-                for value in (result.get_value(0, column) for column in range(result.nfields))]
-
-
-_MICROSECOND = timedelta(microseconds=1)
-
-
-def _literal(pgconn: pq.abc.PGconn, encoding: str, value: Any) -> bytes:
-    if value is None:
-        return b"NULL"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return b"%d" % value
-    if isinstance(value, timedelta):
-        return b"'%d microseconds'::interval" % (value // _MICROSECOND)
-    data = str(value).encode(encoding)
-    if b"\x00" in data:  # PQescapeLiteral would cut the string there
-        raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
-    if b"'" not in data and b"\\" not in data:
-        # nothing to escape (the usual key, scope and fingerprint): no byte
-        # of it, even inside a character of a multibyte encoding, can end
-        # the literal or start an escape, whatever standard_conforming_strings
-        # says; half the binding's cost, without libpq's call
-        return b"'" + data + b"'"
-    return bytes(pq.Escaping(pgconn).escape_literal(data))
-
-
-async def _exchange(pgconn: pq.abc.PGconn, query: bytes) -> list[pq.abc.PGresult]:
-    """Send one query string, wait on the event loop for all its results.
-
-    Cancelled in the middle, the connection is left busy: the pool closes
-    such a connection rather than reuse it, as it does after psycopg's own.
-    """
-    pgconn.send_query(query)
-    loop = asyncio.get_running_loop()
-    fd = pgconn.socket
-    while pgconn.flush():  # what did not fit in the socket's buffer
-        await _ready(loop, fd, loop.add_writer, loop.remove_writer)
-    results = []
-    while True:
-        pgconn.consume_input()
-        while not pgconn.is_busy():
-            result = pgconn.get_result()
-            if result is None:
-                return results
-            results.append(result)
-        await _ready(loop, fd, loop.add_reader, loop.remove_reader)
-
-
-async def _ready(loop: asyncio.AbstractEventLoop, fd: int, add: Any, remove: Any) -> None:
-    ready = loop.create_future()
-    add(fd, ready.set_result, None)
-    try:
-        await ready
-    finally:
-        remove(fd)
-
-
-_BEGIN_CLAIM = _Statements("BEGIN; " + CLAIM)
-_COMPLETE_COMMIT = _Statements(COMPLETE_OR_ABORT + "; COMMIT")
-_ROLLBACK = _Statements("ROLLBACK")
-_LEASE_LEFT = _Statements(LEASE_LEFT)
-
-
-def _claim_row(row: Optional[list[Optional[str]]]) -> Claim:
-    """idem_claim's row as text, typed as psycopg reads it."""
-    assert row is not None
-    outcome, status, body, headers, attempt, recovery_point, lease_expires_at = row
-    return Claim(str(outcome), _int(status), body, headers, _int(attempt), recovery_point,
-                 lease_expires_at)
-
-
-def _int(text: Optional[str]) -> Optional[int]:
-    return None if text is None else int(text)
+_BEGIN_CLAIM = Statements("BEGIN; " + CLAIM)
+_COMPLETE_COMMIT = Statements(COMPLETE_OR_ABORT + "; COMMIT")
+_ROLLBACK = Statements("ROLLBACK")
+_LEASE_LEFT = Statements(LEASE_LEFT)
 
 
 async def _rollback(conn: AsyncConnection[Any]) -> None:
@@ -334,11 +225,11 @@ class IdempotencyMiddleware:
         """
         async with self.pool.connection() as conn:
             try:
-                claim = _claim_row(await _BEGIN_CLAIM.send(
+                claim = claim_of(await _BEGIN_CLAIM.send(
                     conn, (key_scope, key, fingerprint) + claim_times(options, mode), row_of=1))
                 if claim.needs_lease_left():
                     [left] = await _LEASE_LEFT.send(conn, (claim.lease_expires_at,)) or [None]
-                    claim.lease_left = _int(left)
+                    claim.lease_left = int_of(left)
                 answer = None if claim.outcome == "claimed" else not_claimed(claim)
             except BaseException:
                 await _rollback(conn)

@@ -75,7 +75,14 @@ class IdempotencyMiddleware:
 
     def _run(self, sql: str, params: tuple[Any, ...]) -> Any:
         """One statement in a transaction of its own (or a savepoint)."""
-        with transaction.atomic(using=self.using), connections[self.using].cursor() as cursor:
+        with transaction.atomic(using=self.using):
+            return self._fetch(sql, params)
+
+    def _fetch(self, sql: str, params: tuple[Any, ...]) -> Any:
+        """One statement, in the transaction that is open: in the
+        one-transaction mode an error rolls all of it back anyway, so no
+        savepoint (two round trips each) is set around it."""
+        with connections[self.using].cursor() as cursor:
             cursor.execute(sql, params)
             return cursor.fetchone()
 
@@ -110,10 +117,10 @@ class IdempotencyMiddleware:
     def _one_transaction(self, request: HttpRequest, key: str, scope: str,
                          params: tuple[Any, ...]) -> HttpResponse:
         with transaction.atomic(using=self.using):
-            claim = Claim(*self._run(CLAIM, params))
+            claim = Claim(*self._fetch(CLAIM, params))
             if claim.outcome != "claimed":
                 if claim.needs_lease_left():
-                    [claim.lease_left] = self._run(LEASE_LEFT, (claim.lease_expires_at,))
+                    [claim.lease_left] = self._fetch(LEASE_LEFT, (claim.lease_expires_at,))
                 return _response(not_claimed(claim))
             request.idempotency = Context(  # type: ignore[attr-defined]
                 key, scope, ONE_TRANSACTION, claim.attempt, claim.recovery_point,
@@ -144,7 +151,7 @@ class IdempotencyMiddleware:
         params = complete_params(scope, key, response.status_code, list(response.headers.items()),
                                  body, self.options, attempt)
         if attempt is None:  # one transaction: a body too large raises
-            return str(self._run(COMPLETE, params)[0])
+            return str(self._fetch(COMPLETE, params)[0])
         try:
             return str(self._run(COMPLETE, params)[0])
         except DatabaseError as error:

@@ -21,11 +21,12 @@ from psycopg.pq import TransactionStatus
 from flask import Flask, Response, current_app, g, request
 
 from ._protocol import (
-    CLAIM, COMPLETE, LEASE_LEFT, ONE_TRANSACTION, RELEASE, Answer, Claim, Context, IdempotencyKeyLost,
-    Options, bounded_scope, claim_times, complete_params, default_fingerprint, default_scope,
-    is_lost_key, is_too_large, lost_key, missing_key, not_claimed, parse_key, principal_of, problem,
-    too_large,
+    CLAIM, COMPLETE, COMPLETE_OR_ABORT, LEASE_LEFT, ONE_TRANSACTION, RELEASE,
+    RELEASED, Answer, Claim, Context, IdempotencyKeyLost, Options, bounded_scope, claim_times,
+    complete_params, default_fingerprint, default_scope, is_lost_key, is_too_large, likely_stored,
+    lost_key, missing_key, not_claimed, parse_key, principal_of, problem, sqlstate, too_large,
 )
+from ._simple import Statements, claim_of, int_of
 from ._sync import Heartbeat, checkpoint_with
 
 __all__ = ["Idempotency", "IdempotencyKeyLost"]
@@ -34,6 +35,12 @@ __all__ = ["Idempotency", "IdempotencyKeyLost"]
 def _fetch(conn: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]) -> Any:
     # prepare=False: safe behind pgbouncer's transaction pooling
     return conn.execute(sql, params, prepare=False).fetchone()
+
+
+_BEGIN_CLAIM = Statements("BEGIN; " + CLAIM)
+_LEASE_LEFT = Statements(LEASE_LEFT)
+_COMPLETE_COMMIT = Statements(COMPLETE_OR_ABORT + "; COMMIT")
+_COMMIT = Statements("COMMIT")
 
 
 class _State:
@@ -121,16 +128,20 @@ class Idempotency:
         if mode == ONE_TRANSACTION:
             transaction = contextlib.ExitStack()
             try:
+                # the pool's connections are in autocommit: BEGIN is ours,
+                # sent with the claim; leaving the pool's context with an
+                # error rolls it back
                 conn = transaction.enter_context(self.pool.connection())
-                transaction.enter_context(conn.transaction())
-                claim = Claim(*_fetch(conn, CLAIM, params))
+                claim = claim_of(_BEGIN_CLAIM.run(conn, params))
                 if claim.needs_lease_left():
-                    [claim.lease_left] = _fetch(conn, LEASE_LEFT, (claim.lease_expires_at,))
+                    [left] = _LEASE_LEFT.run(conn, (claim.lease_expires_at,)) or [None]
+                    claim.lease_left = int_of(left)
             except BaseException as error:  # the connection goes back to the pool
                 transaction.__exit__(type(error), error, error.__traceback__)
                 raise
             if claim.outcome != "claimed":
-                transaction.close()
+                with transaction:  # an error rolls back
+                    _COMMIT.run(conn)  # nothing was written
                 return self._response(not_claimed(claim))
             g.idempotency = Context(key, scope, mode, claim.attempt, claim.recovery_point,
                                     conn=conn)
@@ -179,17 +190,17 @@ class Idempotency:
                     return response
                 return self._response(problem(500, "the transaction failed"))
             try:
-                outcome = self._complete(conn, params, one_transaction=True)
+                stored = self._complete_and_commit(conn, response.status_code, params)
             except psycopg.Error as error:
+                state.rollback()  # the handler's writes and the claim go: nothing was done
                 if not is_too_large(error):
                     raise
-                state.rollback()  # the handler's writes and the claim go: nothing was done
                 answer = too_large(context.scope, context.key, error, released=False)
                 return self._response(answer)
-            if outcome == "released":  # a transient status: undo the writes too
-                state.rollback()
-            else:
+            if stored:
                 state.commit()
+            else:  # a transient status, released: the writes are undone too
+                state.rollback()
             return response
         try:
             with self.pool.connection() as conn, conn.transaction():
@@ -201,13 +212,31 @@ class Idempotency:
         return response
 
     @staticmethod
-    def _complete(conn: psycopg.Connection[Any], params: tuple[Any, ...],
-                  one_transaction: bool = False) -> str:
-        """idem_complete; a body too large raises in the one-transaction mode,
-        and releases the key in the two-transaction mode."""
+    def _complete_and_commit(conn: psycopg.Connection[Any], status: int,
+                             params: tuple[Any, ...]) -> bool:
+        """One-transaction mode: idem_complete, and COMMIT if it stored the
+        answer (True); a body too large raises. An answer the extension's
+        default policy stores: the completion and COMMIT in one round trip,
+        behind the guard of COMPLETE_OR_ABORT should the server's policy
+        release it after all. Any other: two."""
+        if likely_stored(status):
+            try:
+                _COMPLETE_COMMIT.run(conn, params)
+            except psycopg.Error as error:
+                if sqlstate(error) != RELEASED:
+                    raise
+                return False  # released by the server's policy
+            return True
+        if _fetch(conn, COMPLETE, params)[0] != "stored":
+            return False
+        _COMMIT.run(conn)
+        return True
+
+    @staticmethod
+    def _complete(conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> str:
+        """idem_complete in the two-transaction mode: a body too large releases
+        the key."""
         scope, key, attempt = params[0], params[1], params[5]
-        if one_transaction:
-            return str(_fetch(conn, COMPLETE, params)[0])
         try:
             with conn.transaction():  # a savepoint: the release follows
                 return str(_fetch(conn, COMPLETE, params)[0])

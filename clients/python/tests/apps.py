@@ -11,7 +11,7 @@
   POST /slow-boom  two transactions: checkpoints "started", then raises
   POST /sql-error  a statement that fails in the claim's transaction
   POST /echo     (Starlette) the body back; 400 if it is not JSON
-  POST /policy   (Starlette) inserts a row, sets idempotency.release_statuses
+  POST /policy   (Starlette, Flask) inserts a row, sets idempotency.release_statuses
                  to the body's "policy" for its transaction, answers the
                  body's "status"
   POST /file     (Flask) send_file of BINARY: a direct-passthrough response
@@ -229,6 +229,15 @@ def flask_app(pool):
     @app.post("/file")
     def file():
         return send_file(io.BytesIO(BINARY), mimetype="application/octet-stream")
+
+    @app.post("/policy")
+    def policy():
+        body = request.get_json()
+        conn = g.idempotency.conn
+        conn.execute(INSERT, (body["sku"], body["qty"]))
+        conn.execute("SELECT set_config('idempotency.release_statuses', %s, true)",
+                     (body["policy"],))
+        return jsonify(sku=body["sku"]), body["status"]
 
     return app
 

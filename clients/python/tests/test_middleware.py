@@ -1,6 +1,7 @@
 """doc/http.md's protocol, the same tests for each adapter (apps.py)."""
 import base64
 import concurrent.futures
+import contextlib
 import hashlib
 import http.client
 import json
@@ -160,6 +161,7 @@ def test_two_transactions_a_lost_key_answers_409(server, db):
     assert stored(db, key)[0][1] == 2  # the new attempt's, untouched
 
 
+@pytest.mark.parametrize("adapter", ["asgi", "flask"])
 @pytest.mark.parametrize("status, policy, kept", [
     (409, "409", False),     # the default stores a 409: the guard before COMMIT
     (201, "201,409", False),
@@ -168,13 +170,19 @@ def test_two_transactions_a_lost_key_answers_409(server, db):
     (503, " ", True),
     (409, " ", True),
 ])
-def test_asgi_the_servers_release_policy_decides(status, policy, kept, db):
+def test_the_servers_release_policy_decides(status, policy, kept, adapter, db):
     # the completion and COMMIT go in one query string when the default
     # policy stores the status: without the guard, a status the server's
     # policy releases would commit the handler's row with the key free
-    pool = AsyncConnectionPool("", open=False, min_size=1, kwargs=POOL_KWARGS)
     body, key = {**order(), "status": status, "policy": policy}, str(uuid.uuid4())
-    with serve_asgi(starlette_app(pool)) as port:
+    with contextlib.ExitStack() as stack:
+        if adapter == "asgi":
+            pool = AsyncConnectionPool("", open=False, min_size=1, kwargs=POOL_KWARGS)
+            port = stack.enter_context(serve_asgi(starlette_app(pool)))
+        else:
+            pool = stack.enter_context(ConnectionPool("", open=True, min_size=1,
+                                                      kwargs=POOL_KWARGS))
+            port = stack.enter_context(serve_wsgi(flask_app(pool)))
         first = post(port, "/policy", body, key)
         assert first.status == status and first.json() == {"sku": body["sku"]}
         again = post(port, "/policy", body, key)
