@@ -24,7 +24,7 @@ from typing import Any, Optional
 import psycopg
 from psycopg import pq
 
-from ._protocol import Claim
+from ._protocol import CLAIM, COMPLETE_OR_ABORT, LEASE_LEFT, Claim
 
 Row = Optional[list[Optional[str]]]
 
@@ -73,6 +73,14 @@ class Statements:
             if result.status == pq.ExecStatus.FATAL_ERROR:
                 raise psycopg.errors.error_from_result(result, encoding=encoding)
         return _row(results[row_of], encoding)
+
+
+# The one-transaction mode's statements, as both adapters send them
+BEGIN_CLAIM = Statements("BEGIN; " + CLAIM)
+LEASE_LEFT_OF = Statements(LEASE_LEFT)
+COMPLETE_COMMIT = Statements(COMPLETE_OR_ABORT + "; COMMIT")
+COMMIT = Statements("COMMIT")
+ROLLBACK = Statements("ROLLBACK")
 
 
 def claim_of(row: Row) -> Claim:

@@ -23,13 +23,13 @@ from starlette.datastructures import URL
 from starlette.requests import Request
 
 from ._protocol import (
-    CHECKPOINT, CLAIM, COMPLETE, COMPLETE_OR_ABORT, EXTEND_LEASE, LEASE_LEFT,
+    CHECKPOINT, CLAIM, COMPLETE, EXTEND_LEASE, LEASE_LEFT,
     ONE_TRANSACTION, RELEASE, RELEASED, Answer, Claim, Context, IdempotencyKeyLost, Options,
     body_too_large, bounded_scope, check_mode, claim_times, complete_params, default_fingerprint,
     default_scope, is_lost_key, is_too_large, likely_stored, lost_key, missing_key, not_claimed,
     parse_key, sqlstate, too_large,
 )
-from ._simple import Statements, claim_of, int_of
+from ._simple import BEGIN_CLAIM, COMPLETE_COMMIT, LEASE_LEFT_OF, ROLLBACK, claim_of, int_of
 
 __all__ = ["IdempotencyMiddleware", "idempotency_connection", "IdempotencyKeyLost"]
 
@@ -115,19 +115,13 @@ async def _fetch(conn: AsyncConnection[Any], sql: str, params: tuple[Any, ...]) 
     return await cursor.fetchone()
 
 
-_BEGIN_CLAIM = Statements("BEGIN; " + CLAIM)
-_COMPLETE_COMMIT = Statements(COMPLETE_OR_ABORT + "; COMMIT")
-_ROLLBACK = Statements("ROLLBACK")
-_LEASE_LEFT = Statements(LEASE_LEFT)
-
-
 async def _rollback(conn: AsyncConnection[Any]) -> None:
     """ROLLBACK; a connection that cannot is broken, and the pool discards it
     (one left in a transaction, the pool rolls back itself)."""
     if conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
         return  # a COMMIT that failed ended it
     with contextlib.suppress(psycopg.Error):
-        await _ROLLBACK.send(conn, ())
+        await ROLLBACK.send(conn, ())
 
 
 class IdempotencyMiddleware:
@@ -225,10 +219,10 @@ class IdempotencyMiddleware:
         """
         async with self.pool.connection() as conn:
             try:
-                claim = claim_of(await _BEGIN_CLAIM.send(
+                claim = claim_of(await BEGIN_CLAIM.send(
                     conn, (key_scope, key, fingerprint) + claim_times(options, mode), row_of=1))
                 if claim.needs_lease_left():
-                    [left] = await _LEASE_LEFT.send(conn, (claim.lease_expires_at,)) or [None]
+                    [left] = await LEASE_LEFT_OF.send(conn, (claim.lease_expires_at,)) or [None]
                     claim.lease_left = int_of(left)
                 answer = None if claim.outcome == "claimed" else not_claimed(claim)
             except BaseException:
@@ -291,7 +285,7 @@ class IdempotencyMiddleware:
                                  response.body, self.options, None)
         if likely_stored(response.status):
             try:
-                await _COMPLETE_COMMIT.send(conn, params)
+                await COMPLETE_COMMIT.send(conn, params)
             except psycopg.Error as error:
                 if sqlstate(error) != RELEASED:
                     raise

@@ -21,12 +21,12 @@ from psycopg.pq import TransactionStatus
 from flask import Flask, Response, current_app, g, request
 
 from ._protocol import (
-    CLAIM, COMPLETE, COMPLETE_OR_ABORT, LEASE_LEFT, ONE_TRANSACTION, RELEASE,
+    CLAIM, COMPLETE, LEASE_LEFT, ONE_TRANSACTION, RELEASE,
     RELEASED, Answer, Claim, Context, IdempotencyKeyLost, Options, bounded_scope, claim_times,
     complete_params, default_fingerprint, default_scope, is_lost_key, is_too_large, likely_stored,
     lost_key, missing_key, not_claimed, parse_key, principal_of, problem, sqlstate, too_large,
 )
-from ._simple import Statements, claim_of, int_of
+from ._simple import BEGIN_CLAIM, COMMIT, COMPLETE_COMMIT, LEASE_LEFT_OF, claim_of, int_of
 from ._sync import Heartbeat, checkpoint_with
 
 __all__ = ["Idempotency", "IdempotencyKeyLost"]
@@ -35,12 +35,6 @@ __all__ = ["Idempotency", "IdempotencyKeyLost"]
 def _fetch(conn: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]) -> Any:
     # prepare=False: safe behind pgbouncer's transaction pooling
     return conn.execute(sql, params, prepare=False).fetchone()
-
-
-_BEGIN_CLAIM = Statements("BEGIN; " + CLAIM)
-_LEASE_LEFT = Statements(LEASE_LEFT)
-_COMPLETE_COMMIT = Statements(COMPLETE_OR_ABORT + "; COMMIT")
-_COMMIT = Statements("COMMIT")
 
 
 class _State:
@@ -132,16 +126,16 @@ class Idempotency:
                 # sent with the claim; leaving the pool's context with an
                 # error rolls it back
                 conn = transaction.enter_context(self.pool.connection())
-                claim = claim_of(_BEGIN_CLAIM.run(conn, params))
+                claim = claim_of(BEGIN_CLAIM.run(conn, params))
                 if claim.needs_lease_left():
-                    [left] = _LEASE_LEFT.run(conn, (claim.lease_expires_at,)) or [None]
+                    [left] = LEASE_LEFT_OF.run(conn, (claim.lease_expires_at,)) or [None]
                     claim.lease_left = int_of(left)
             except BaseException as error:  # the connection goes back to the pool
                 transaction.__exit__(type(error), error, error.__traceback__)
                 raise
             if claim.outcome != "claimed":
                 with transaction:  # an error rolls back
-                    _COMMIT.run(conn)  # nothing was written
+                    COMMIT.run(conn)  # nothing was written
                 return self._response(not_claimed(claim))
             g.idempotency = Context(key, scope, mode, claim.attempt, claim.recovery_point,
                                     conn=conn)
@@ -221,7 +215,7 @@ class Idempotency:
         release it after all. Any other: two."""
         if likely_stored(status):
             try:
-                _COMPLETE_COMMIT.run(conn, params)
+                COMPLETE_COMMIT.run(conn, params)
             except psycopg.Error as error:
                 if sqlstate(error) != RELEASED:
                     raise
@@ -229,7 +223,7 @@ class Idempotency:
             return True
         if _fetch(conn, COMPLETE, params)[0] != "stored":
             return False
-        _COMMIT.run(conn)
+        COMMIT.run(conn)
         return True
 
     @staticmethod
