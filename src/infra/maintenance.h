@@ -96,6 +96,8 @@ typedef struct MaintenanceCursor
 	/* ... this node's shards, read once a round (-1: at the next batch), in alone.context */
 	Oid		   *outbox_shards;
 	int			noutbox_shards;
+	/* where this round's walks of the outbox go on (outbox/publish.c's), in alone.context */
+	void	   *publish_resume;
 } MaintenanceCursor;
 
 /* Rows per careful publish batch: each takes a subtransaction. */

@@ -110,7 +110,7 @@
 	"  SELECT o AS event, o.id, o.topic, o.key, o.payload, o.headers, o.created_at" \
 	"  FROM idempotency.outbox o" \
 	"  WHERE o.state = 'pending' AND o.published_at IS NULL AND o.available_at <= $1" \
-	"    AND " topic_filter \
+	"    AND " topic_filter " AND o.id > $4" \
 	"    AND NOT EXISTS (SELECT FROM idempotency.outbox e" \
 	"                    WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
 	"                      AND e.state <> 'published' AND e.published_at IS NULL" \
@@ -569,7 +569,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 */
 	[STMT_PUBLISH_CANDIDATES_TOPIC] = {
 		PUBLISH_CANDIDATES_SQL(ONE_TOPIC("$3"), "o.topic, o.id"),
-		3, {TIMESTAMPTZOID, INT4OID, TEXTOID}, IDEM_PLAN_CUSTOM, true
+		4, {TIMESTAMPTZOID, INT4OID, TEXTOID, INT8OID}, IDEM_PLAN_CUSTOM, true
 	},
 	/*
 	 * Not walk_in_order: the only index in id order across topics is
@@ -579,12 +579,12 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 */
 	[STMT_PUBLISH_CANDIDATES_EXCEPT] = {
 		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3)", "o.id"),
-		3, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID}, IDEM_PLAN_CUSTOM
+		4, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID, INT8OID}, IDEM_PLAN_CUSTOM
 	},
 	/* one row, by id ($3), if it is still a candidate (see outbox_publish_row) */
 	[STMT_PUBLISH_CANDIDATE_ROW] = {
 		PUBLISH_CANDIDATES_SQL("o.id = $3", "o.id"),
-		3, {TIMESTAMPTZOID, INT4OID, INT8OID}
+		4, {TIMESTAMPTZOID, INT4OID, INT8OID, INT8OID}
 	},
 	[STMT_ROUTES] = {
 		"SELECT topic, target <> 'none' AS routed FROM idempotency.outbox_routes",

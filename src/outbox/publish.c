@@ -497,6 +497,167 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
 }
 
 /*
+ * Where the walks of this round's batches go on.  Each batch's walk of a
+ * topic reads the outbox_ready entries in id order from the topic's
+ * oldest; the rows the batches before it published are deleted, but while
+ * a snapshot held anywhere in the database may still see them, their
+ * entries cannot be marked dead, and each walk would read them all again
+ * in the heap: with a snapshot held, the n batches of a round read about
+ * n^2 / 2 batches of rows (bench/README.md).  So a batch goes on after the
+ * last id the last committed batch of the round looked at, per shard and
+ * topic (NULL topic: the walk across the topics without a route, when
+ * there is a default route).  The ids below it are published, or left for
+ * the next round, which starts again from the oldest: a row whose key was
+ * held back, one that was locked by a relay, and one whose transaction
+ * took its id before and committed after the walk.  A batch that fails
+ * leaves the points where they were, so that the careful batch that
+ * follows looks at the same rows.
+ */
+typedef struct ResumePoint
+{
+	Oid			shard;
+	char	   *topic;
+	int64		after;
+} ResumePoint;
+
+typedef struct PublishResume
+{
+	List	   *points;			/* of committed batches */
+	List	   *batch;			/* of the batch under way */
+	MemoryContext context;
+} PublishResume;
+
+static PublishResume *
+resume_of(MaintenanceCursor *cursor)
+{
+	if (cursor->publish_resume == NULL)
+	{
+		PublishResume *resume = MemoryContextAllocZero(cursor->alone.context,
+													   sizeof(PublishResume));
+
+		resume->context = cursor->alone.context;
+		cursor->publish_resume = resume;
+	}
+	return cursor->publish_resume;
+}
+
+static ResumePoint *
+resume_find(List *points, Oid shard, const char *topic)
+{
+	ListCell   *lc;
+
+	foreach(lc, points)
+	{
+		ResumePoint *point = lfirst(lc);
+
+		if (point->shard == shard &&
+			(topic == NULL ? point->topic == NULL :
+			 point->topic != NULL && strcmp(point->topic, topic) == 0))
+			return point;
+	}
+	return NULL;
+}
+
+static int64
+resume_after(PublishResume *resume, Oid shard, const char *topic)
+{
+	ResumePoint *point = resume == NULL ? NULL : resume_find(resume->points, shard, topic);
+
+	return point == NULL ? PG_INT64_MIN : point->after;
+}
+
+static void
+resume_note(PublishResume *resume, Oid shard, const char *topic, int64 after)
+{
+	MemoryContext old;
+	ResumePoint *point;
+
+	if (resume == NULL)
+		return;
+	old = MemoryContextSwitchTo(resume->context);
+	point = palloc(sizeof(ResumePoint));
+	point->shard = shard;
+	point->topic = topic == NULL ? NULL : pstrdup(topic);
+	point->after = after;
+	resume->batch = lappend(resume->batch, point);
+	MemoryContextSwitchTo(old);
+}
+
+static void
+resume_free(List *points)
+{
+	ListCell   *lc;
+
+	foreach(lc, points)
+	{
+		ResumePoint *point = lfirst(lc);
+
+		if (point->topic != NULL)
+			pfree(point->topic);
+	}
+	list_free_deep(points);
+}
+
+/* The batch under way committed (keep, its points count) or failed. */
+static void
+resume_end_batch(PublishResume *resume, bool keep)
+{
+	ListCell   *lc;
+
+	if (resume == NULL)
+		return;
+	if (keep)
+	{
+		MemoryContext old = MemoryContextSwitchTo(resume->context);
+
+		foreach(lc, resume->batch)
+		{
+			ResumePoint *point = lfirst(lc);
+			ResumePoint *kept = resume_find(resume->points, point->shard, point->topic);
+
+			if (kept != NULL)
+				kept->after = point->after;
+			else
+			{
+				ResumePoint *copy = palloc(sizeof(ResumePoint));
+
+				*copy = *point;
+				copy->topic = point->topic == NULL ? NULL : pstrdup(point->topic);
+				resume->points = lappend(resume->points, copy);
+			}
+		}
+		MemoryContextSwitchTo(old);
+	}
+	resume_free(resume->batch);
+	resume->batch = NIL;
+}
+
+/* A new round: every walk from the oldest again. */
+static void
+resume_reset(PublishResume *resume)
+{
+	if (resume == NULL)
+		return;
+	resume_free(resume->points);
+	resume_free(resume->batch);
+	resume->points = resume->batch = NIL;
+}
+
+/* The walk just read into list from first on: where the next goes on. */
+static void
+note_walk(PublishResume *resume, Oid shard, const char *topic, const CandidateList *list,
+		  uint64 first)
+{
+	int64		last = PG_INT64_MIN;
+
+	if (list->count == first)
+		return;
+	for (uint64 i = first; i < list->count; i++)
+		last = Max(last, list->items[i].id);
+	resume_note(resume, shard, topic, last);
+}
+
+/*
  * Publish up to limit ready rows, in the current transaction: each row's
  * publication (NOTIFY, logical message, or the function's work) commits
  * together with the row's removal or its "published" mark, so that it
@@ -515,10 +676,10 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
 static uint64
 outbox_publish_batch(Oid shard, TimestampTz now, int limit, bool careful,
 					 uint64 *published_count, uint64 *failed_count,
-					 OutboxRowIds *tried)
+					 OutboxRowIds *tried, PublishResume *resume)
 {
 	OutboxSqlContext context;
-	Datum		values[3];
+	Datum		values[4];
 	CandidateList list = {NULL, 0, 0, CurrentMemoryContext, OidIsValid(shard)};
 
 	*published_count = *failed_count = 0;
@@ -559,16 +720,23 @@ outbox_publish_batch(Oid shard, TimestampTz now, int limit, bool careful,
 		{
 			values[2] = PointerGetDatum(construct_array(unrouted, nunrouted, TEXTOID,
 														-1, false, TYPALIGN_INT));
+			values[3] = Int64GetDatum(resume_after(resume, shard, NULL));
 			copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATES_EXCEPT, values, NULL),
 							&list);
+			note_walk(resume, shard, NULL, &list, 0);
 		}
 		else
 		{
 			for (int t = 0; t < nrouted; t++)
 			{
+				const char *topic = TextDatumGetCString(routed[t]);
+				uint64		first = list.count;
+
 				values[2] = routed[t];
+				values[3] = Int64GetDatum(resume_after(resume, shard, topic));
 				copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATES_TOPIC, values, NULL),
 								&list);
+				note_walk(resume, shard, topic, &list, first);
 			}
 		}
 	}
@@ -605,7 +773,7 @@ outbox_publish_row(Oid shard, TimestampTz now, int64 id, volatile bool *started,
 				   uint64 *published_count, uint64 *failed_count)
 {
 	OutboxSqlContext context;
-	Datum		values[3];
+	Datum		values[4];
 	CandidateList list = {NULL, 0, 0, CurrentMemoryContext, OidIsValid(shard)};
 
 	*published_count = *failed_count = 0;
@@ -615,6 +783,7 @@ outbox_publish_row(Oid shard, TimestampTz now, int64 id, volatile bool *started,
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(1);
 	values[2] = Int64GetDatum(id);
+	values[3] = Int64GetDatum(PG_INT64_MIN);
 	copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATE_ROW, values, NULL), &list);
 	publish_candidates(&list, now, true, started, published_count, failed_count);
 	outbox_sql_end(&context);
@@ -738,7 +907,8 @@ publish_batch(MaintenanceCursor *cursor, MaintenanceCounts *counts)
 		/* a careful batch keeps its rows' ids, to try them alone if it fails */
 		looked_at = outbox_publish_batch(cursor->outbox_shard, now, limit, careful,
 										 &published, &failed,
-										 careful ? &cursor->alone : NULL);
+										 careful ? &cursor->alone : NULL,
+										 resume_of(cursor));
 		cursor->publish_way = PUBLISH_FAST;
 		more = looked_at >= (uint64) limit && (published > 0 || careful);
 	}
@@ -959,6 +1129,7 @@ run_publish_batch(MaintenanceCursor *cursor)
 	more = worker_run_unit(maintenance_unit_names[UNIT_PUBLISH],
 						   WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
 						   batch_unit, &publish, &error);
+	resume_end_batch(cursor->publish_resume, error == NULL);
 
 	if (error != NULL && !publish.began)
 	{
@@ -988,6 +1159,7 @@ run_publish_batch(MaintenanceCursor *cursor)
 void
 publish_all(MaintenanceCursor *cursor)
 {
+	resume_reset(cursor->publish_resume);
 	while (run_publish_batch(cursor))
 		CHECK_FOR_INTERRUPTS();
 }
