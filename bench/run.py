@@ -565,6 +565,14 @@ def fill_cold(cluster, rows):
                  f" (SELECT array_agg('order-' || (b * 100 + n) % 1000) FROM generate_series(0, 99) n))")
 
 
+PLAIN_FETCH = ("WITH c AS (SELECT id FROM idempotency.outbox"
+               " WHERE topic = 'cold' AND state = 'pending' AND published_at IS NULL"
+               " ORDER BY topic, id LIMIT 100 FOR UPDATE SKIP LOCKED)"
+               " UPDATE idempotency.outbox o SET state = 'leased', attempts = o.attempts + 1,"
+               " available_at = now() + interval '30 seconds'"
+               " FROM c WHERE o.id = c.id RETURNING o.id, o.attempts")
+
+
 def bench_cold_relay(cluster, summary):
     """A relay's fetch of 100 (each acknowledged after, untimed) on a
     backlog of COLD_ROWS: steady (the median of 50 calls on a connection
@@ -623,6 +631,27 @@ def bench_cold_relay(cluster, summary):
     for _ in range(10):
         with connect() as conn:
             fresh.append([fetch(conn) for _ in range(5)])
+    # the plain-SQL reference on the same table and backlog: one statement
+    # that leases the topic's 100 oldest pending rows (pgmq's read, with
+    # none of the fetch's per-key heads); its first call on a new
+    # connection against its own steady call
+    def plain_fetch(conn):
+        start = time.perf_counter()
+        rows = conn.execute(PLAIN_FETCH).fetchall()
+        took = (time.perf_counter() - start) * 1000
+        if len(rows) != 100:
+            raise SystemExit(f"the plain fetch returned {len(rows)} rows")
+        conn.execute("SELECT idempotency.idem_outbox_ack(%s::bigint[])", ([r[0] for r in rows],))
+        return took
+
+    with connect() as conn:
+        for _ in range(20):
+            plain_fetch(conn)
+        plain_steady = statistics.median(plain_fetch(conn) for _ in range(50))
+    plain_first = []
+    for _ in range(10):
+        with connect() as conn:
+            plain_first.append(plain_fetch(conn))
     # what a new backend's first call costs whatever the backlog (its
     # caches filled, the statements prepared): the first fetch of a topic
     # with no rows; and then the first of the backlog, whose plans (five
@@ -662,6 +691,11 @@ def bench_cold_relay(cluster, summary):
               flush=True)
     print(f"(a new connection's first fetch of an empty topic: {statistics.median(empty):.2f} ms:"
           " the backend's own start, whatever the backlog)", flush=True)
+    plain_ratio = statistics.median(plain_first) / plain_steady
+    print(f"(the plain-SQL reference, one statement leasing the 100 oldest pending rows of the"
+          f" same table: steady {plain_steady:.2f} ms, a new connection's first"
+          f" {statistics.median(plain_first):.2f} ms, {plain_ratio:.2f}x)", flush=True)
+    summary["cold_plain_fetch_vs_steady"] = round(plain_ratio, 2)
     summary["cold_fetch_vs_steady_max"] = round(max(ratios.values()), 2)
     cluster.psql("TRUNCATE idempotency.outbox")
     cluster.psql("ALTER TABLE idempotency.outbox RESET (autovacuum_enabled)")
