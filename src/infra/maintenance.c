@@ -39,7 +39,8 @@ maintenance_cursor_init(MaintenanceCursor *cursor)
 	cursor->outbox_part = 0;
 	cursor->outbox_shards = NULL;
 	cursor->noutbox_shards = -1;
-	cursor->publish_resume = NULL;
+	cursor->walked = cursor->walking = NIL;
+	cursor->walked_shard = InvalidOid;
 	/* the caller's context outlives the batches: the worker's is TopMemoryContext */
 	cursor->alone.ids = NULL;
 	cursor->alone.count = cursor->alone.capacity = 0;

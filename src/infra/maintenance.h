@@ -11,6 +11,7 @@
 #define IDEMPOTENCY_MAINTENANCE_H
 
 #include "postgres_ext.h"
+#include "nodes/pg_list.h"
 #include "storage/block.h"
 
 /* The kinds of work, each done in bounded batches. */
@@ -96,8 +97,14 @@ typedef struct MaintenanceCursor
 	/* ... this node's shards, read once a round (-1: at the next batch), in alone.context */
 	Oid		   *outbox_shards;
 	int			noutbox_shards;
-	/* where this round's walks of the outbox go on (outbox/publish.c's), in alone.context */
-	void	   *publish_resume;
+	/*
+	 * where this round's walks of the outbox go on (outbox/publish.c's
+	 * WalkPoints, in alone.context): those of the last committed batch, on
+	 * walked_shard, and those of the batch under way
+	 */
+	List	   *walked;
+	Oid			walked_shard;
+	List	   *walking;
 } MaintenanceCursor;
 
 /* Rows per careful publish batch: each takes a subtransaction. */

@@ -503,158 +503,68 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
  * a snapshot held anywhere in the database may still see them, their
  * entries cannot be marked dead, and each walk would read them all again
  * in the heap: with a snapshot held, the n batches of a round read about
- * n^2 / 2 batches of rows (bench/README.md).  So a batch goes on after the
- * last id the last committed batch of the round looked at, per shard and
- * topic (NULL topic: the walk across the topics without a route, when
- * there is a default route).  The ids below it are published, or left for
- * the next round, which starts again from the oldest: a row whose key was
- * held back, one that was locked by a relay, and one whose transaction
- * took its id before and committed after the walk.  A batch that fails
- * leaves the points where they were, so that the careful batch that
- * follows looks at the same rows.
+ * n^2 / 2 batches of rows (bench/README.md).  So a batch's walk of a topic
+ * goes on after the last id the walk of the round's last committed batch
+ * looked at, if that batch was on the same shard (a round goes through the
+ * shards one by one); "" stands for the walk across the topics without a
+ * route, when there is a default route.  The ids below it are published,
+ * or left for the next round, which starts again from the oldest: a row
+ * whose key was held back, one that was locked by a relay, and one whose
+ * transaction took its id before and committed after the walk.  A batch
+ * that fails leaves the points where they were, so that the careful batch
+ * that follows looks at the same rows.
  */
-typedef struct ResumePoint
+typedef struct WalkPoint
 {
-	Oid			shard;
-	char	   *topic;
 	int64		after;
-} ResumePoint;
+	char		topic[FLEXIBLE_ARRAY_MEMBER];	/* "": the walk across the unrouted topics */
+} WalkPoint;
 
-typedef struct PublishResume
-{
-	List	   *points;			/* of committed batches */
-	List	   *batch;			/* of the batch under way */
-	MemoryContext context;
-} PublishResume;
-
-static PublishResume *
-resume_of(MaintenanceCursor *cursor)
-{
-	if (cursor->publish_resume == NULL)
-	{
-		PublishResume *resume = MemoryContextAllocZero(cursor->alone.context,
-													   sizeof(PublishResume));
-
-		resume->context = cursor->alone.context;
-		cursor->publish_resume = resume;
-	}
-	return cursor->publish_resume;
-}
-
-static ResumePoint *
-resume_find(List *points, Oid shard, const char *topic)
+/* Where this batch's walk of topic goes on (see above). */
+static int64
+walk_after(const MaintenanceCursor *cursor, const char *topic)
 {
 	ListCell   *lc;
 
-	foreach(lc, points)
-	{
-		ResumePoint *point = lfirst(lc);
+	if (cursor->walked_shard == cursor->outbox_shard)
+		foreach(lc, cursor->walked)
+		{
+			WalkPoint  *point = lfirst(lc);
 
-		if (point->shard == shard &&
-			(topic == NULL ? point->topic == NULL :
-			 point->topic != NULL && strcmp(point->topic, topic) == 0))
-			return point;
-	}
-	return NULL;
+			if (strcmp(point->topic, topic) == 0)
+				return point->after;
+		}
+	return PG_INT64_MIN;
 }
 
-static int64
-resume_after(PublishResume *resume, Oid shard, const char *topic)
-{
-	ResumePoint *point = resume == NULL ? NULL : resume_find(resume->points, shard, topic);
-
-	return point == NULL ? PG_INT64_MIN : point->after;
-}
-
+/* The walk of topic, after after, read list's candidates from first on. */
 static void
-resume_note(PublishResume *resume, Oid shard, const char *topic, int64 after)
+note_walk(MaintenanceCursor *cursor, const char *topic, int64 after,
+		  const CandidateList *list, uint64 first)
 {
-	MemoryContext old;
-	ResumePoint *point;
+	MemoryContext old = MemoryContextSwitchTo(cursor->alone.context);
+	WalkPoint  *point = palloc(offsetof(WalkPoint, topic) + strlen(topic) + 1);
 
-	if (resume == NULL)
-		return;
-	old = MemoryContextSwitchTo(resume->context);
-	point = palloc(sizeof(ResumePoint));
-	point->shard = shard;
-	point->topic = topic == NULL ? NULL : pstrdup(topic);
-	point->after = after;
-	resume->batch = lappend(resume->batch, point);
+	strcpy(point->topic, topic);
+	/* the candidates come in id order */
+	point->after = list->count > first ? list->items[list->count - 1].id : after;
+	cursor->walking = lappend(cursor->walking, point);
 	MemoryContextSwitchTo(old);
 }
 
+/* The batch under way committed (keep: where its walks stopped counts) or failed. */
 static void
-resume_free(List *points)
+end_walks(MaintenanceCursor *cursor, bool keep)
 {
-	ListCell   *lc;
-
-	foreach(lc, points)
+	if (keep && cursor->walking != NIL)
 	{
-		ResumePoint *point = lfirst(lc);
-
-		if (point->topic != NULL)
-			pfree(point->topic);
+		list_free_deep(cursor->walked);
+		cursor->walked = cursor->walking;
+		cursor->walked_shard = cursor->outbox_shard;
 	}
-	list_free_deep(points);
-}
-
-/* The batch under way committed (keep, its points count) or failed. */
-static void
-resume_end_batch(PublishResume *resume, bool keep)
-{
-	ListCell   *lc;
-
-	if (resume == NULL)
-		return;
-	if (keep)
-	{
-		MemoryContext old = MemoryContextSwitchTo(resume->context);
-
-		foreach(lc, resume->batch)
-		{
-			ResumePoint *point = lfirst(lc);
-			ResumePoint *kept = resume_find(resume->points, point->shard, point->topic);
-
-			if (kept != NULL)
-				kept->after = point->after;
-			else
-			{
-				ResumePoint *copy = palloc(sizeof(ResumePoint));
-
-				*copy = *point;
-				copy->topic = point->topic == NULL ? NULL : pstrdup(point->topic);
-				resume->points = lappend(resume->points, copy);
-			}
-		}
-		MemoryContextSwitchTo(old);
-	}
-	resume_free(resume->batch);
-	resume->batch = NIL;
-}
-
-/* A new round: every walk from the oldest again. */
-static void
-resume_reset(PublishResume *resume)
-{
-	if (resume == NULL)
-		return;
-	resume_free(resume->points);
-	resume_free(resume->batch);
-	resume->points = resume->batch = NIL;
-}
-
-/* The walk just read into list from first on: where the next goes on. */
-static void
-note_walk(PublishResume *resume, Oid shard, const char *topic, const CandidateList *list,
-		  uint64 first)
-{
-	int64		last = PG_INT64_MIN;
-
-	if (list->count == first)
-		return;
-	for (uint64 i = first; i < list->count; i++)
-		last = Max(last, list->items[i].id);
-	resume_note(resume, shard, topic, last);
+	else
+		list_free_deep(cursor->walking);
+	cursor->walking = NIL;
 }
 
 /*
@@ -676,7 +586,7 @@ note_walk(PublishResume *resume, Oid shard, const char *topic, const CandidateLi
 static uint64
 outbox_publish_batch(Oid shard, TimestampTz now, int limit, bool careful,
 					 uint64 *published_count, uint64 *failed_count,
-					 OutboxRowIds *tried, PublishResume *resume)
+					 OutboxRowIds *tried, MaintenanceCursor *cursor)
 {
 	OutboxSqlContext context;
 	Datum		values[4];
@@ -718,12 +628,14 @@ outbox_publish_batch(Oid shard, TimestampTz now, int limit, bool careful,
 		values[1] = Int32GetDatum(limit);
 		if (routes.default_routed)
 		{
+			int64		after = walk_after(cursor, "");
+
 			values[2] = PointerGetDatum(construct_array(unrouted, nunrouted, TEXTOID,
 														-1, false, TYPALIGN_INT));
-			values[3] = Int64GetDatum(resume_after(resume, shard, NULL));
+			values[3] = Int64GetDatum(after);
 			copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATES_EXCEPT, values, NULL),
 							&list);
-			note_walk(resume, shard, NULL, &list, 0);
+			note_walk(cursor, "", after, &list, 0);
 		}
 		else
 		{
@@ -731,12 +643,13 @@ outbox_publish_batch(Oid shard, TimestampTz now, int limit, bool careful,
 			{
 				const char *topic = TextDatumGetCString(routed[t]);
 				uint64		first = list.count;
+				int64		after = walk_after(cursor, topic);
 
 				values[2] = routed[t];
-				values[3] = Int64GetDatum(resume_after(resume, shard, topic));
+				values[3] = Int64GetDatum(after);
 				copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATES_TOPIC, values, NULL),
 								&list);
-				note_walk(resume, shard, topic, &list, first);
+				note_walk(cursor, topic, after, &list, first);
 			}
 		}
 	}
@@ -907,8 +820,7 @@ publish_batch(MaintenanceCursor *cursor, MaintenanceCounts *counts)
 		/* a careful batch keeps its rows' ids, to try them alone if it fails */
 		looked_at = outbox_publish_batch(cursor->outbox_shard, now, limit, careful,
 										 &published, &failed,
-										 careful ? &cursor->alone : NULL,
-										 resume_of(cursor));
+										 careful ? &cursor->alone : NULL, cursor);
 		cursor->publish_way = PUBLISH_FAST;
 		more = looked_at >= (uint64) limit && (published > 0 || careful);
 	}
@@ -1022,6 +934,7 @@ publish_one_batch_carefully(MaintenanceCursor *cursor, MaintenanceCounts *counts
 											 outbox_error_counts_against_row);
 		bool		blame;
 
+		end_walks(cursor, error == NULL);
 		if (error == NULL)
 			continue;
 		(void) publish_failed(cursor, error, &blame);
@@ -1129,7 +1042,7 @@ run_publish_batch(MaintenanceCursor *cursor)
 	more = worker_run_unit(maintenance_unit_names[UNIT_PUBLISH],
 						   WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
 						   batch_unit, &publish, &error);
-	resume_end_batch(cursor->publish_resume, error == NULL);
+	end_walks(cursor, error == NULL);
 
 	if (error != NULL && !publish.began)
 	{
@@ -1159,9 +1072,11 @@ run_publish_batch(MaintenanceCursor *cursor)
 void
 publish_all(MaintenanceCursor *cursor)
 {
-	resume_reset(cursor->publish_resume);
 	while (run_publish_batch(cursor))
 		CHECK_FOR_INTERRUPTS();
+	/* the next round walks from the oldest again */
+	list_free_deep(cursor->walked);
+	cursor->walked = NIL;
 }
 
 /* Publish now if a commit enqueued rows since we last looked. */
