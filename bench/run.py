@@ -565,6 +565,7 @@ def fill_cold(cluster, rows):
                  f" (SELECT array_agg('order-' || (b * 100 + n) % 1000) FROM generate_series(0, 99) n))")
 
 
+COLD_FETCH = "SELECT id, attempts FROM idempotency.idem_outbox_fetch('cold', 100, '30 seconds')"
 PLAIN_FETCH = ("WITH c AS (SELECT id FROM idempotency.outbox"
                " WHERE topic = 'cold' AND state = 'pending' AND published_at IS NULL"
                " ORDER BY topic, id LIMIT 100 FOR UPDATE SKIP LOCKED)"
@@ -598,16 +599,24 @@ def bench_cold_relay(cluster, summary):
         conn.prepare_threshold = None
         return conn
 
-    def fetch(conn):
+    def fetch(conn, sql=COLD_FETCH):
         start = time.perf_counter()
-        rows = conn.execute("SELECT id, attempts FROM idempotency.idem_outbox_fetch('cold', 100,"
-                            " '30 seconds')").fetchall()
+        rows = conn.execute(sql).fetchall()
         took = (time.perf_counter() - start) * 1000
         if len(rows) != 100:
-            raise SystemExit(f"a cold-relay fetch returned {len(rows)} rows")
-        conn.execute("SELECT idempotency.idem_outbox_ack(%s::bigint[], %s::int[])",
-                     ([r[0] for r in rows], [r[1] for r in rows]))
+            raise SystemExit(f"a cold-relay fetch returned {len(rows)} rows: {sql}")
+        acked = conn.execute("SELECT idempotency.idem_outbox_ack(%s::bigint[], %s::int[])",
+                             ([r[0] for r in rows], [r[1] for r in rows])).fetchone()[0]
+        if acked != 100:
+            raise SystemExit(f"a cold-relay ack took {acked} of 100 rows: {sql}")
         return took
+
+    def steady_fetch(sql=COLD_FETCH):
+        """the median of 50 calls on a connection that made 20 before"""
+        with connect() as conn:
+            for _ in range(20):
+                fetch(conn, sql)
+            return statistics.median(fetch(conn, sql) for _ in range(50))
 
     print(f"\n== cold relay: fetch of 100 on a backlog of {COLD_ROWS} rows, against the steady"
           " fetch; goal <= 2x", flush=True)
@@ -622,10 +631,7 @@ def bench_cold_relay(cluster, summary):
     summary["outbox_bytes_per_row"] = round(size / COLD_ROWS)
     cluster.psql("VACUUM (ANALYZE) idempotency.outbox")
     cluster.psql("CHECKPOINT")
-    with connect() as conn:
-        for _ in range(20):
-            fetch(conn)
-        steady = statistics.median(fetch(conn) for _ in range(50))
+    steady = steady_fetch()
     # each of ten new connections: its first five fetches
     fresh = []
     for _ in range(10):
@@ -635,23 +641,11 @@ def bench_cold_relay(cluster, summary):
     # that leases the topic's 100 oldest pending rows (pgmq's read, with
     # none of the fetch's per-key heads); its first call on a new
     # connection against its own steady call
-    def plain_fetch(conn):
-        start = time.perf_counter()
-        rows = conn.execute(PLAIN_FETCH).fetchall()
-        took = (time.perf_counter() - start) * 1000
-        if len(rows) != 100:
-            raise SystemExit(f"the plain fetch returned {len(rows)} rows")
-        conn.execute("SELECT idempotency.idem_outbox_ack(%s::bigint[])", ([r[0] for r in rows],))
-        return took
-
-    with connect() as conn:
-        for _ in range(20):
-            plain_fetch(conn)
-        plain_steady = statistics.median(plain_fetch(conn) for _ in range(50))
+    plain_steady = steady_fetch(PLAIN_FETCH)
     plain_first = []
     for _ in range(10):
         with connect() as conn:
-            plain_first.append(plain_fetch(conn))
+            plain_first.append(fetch(conn, PLAIN_FETCH))
     # what a new backend's first call costs whatever the backlog (its
     # caches filled, the statements prepared): the first fetch of a topic
     # with no rows; and then the first of the backlog, whose plans (five
