@@ -3,8 +3,9 @@
  * shmem.c
  *	  Shared memory: the registry of served databases (database -> worker
  *	  pid and latch) and the cumulative counters; the commit callback that
- *	  wakes a worker; and the utility hook that keeps the workers out of the
- *	  way of DROP DATABASE and tells the launcher about CREATE EXTENSION.
+ *	  wakes a worker; and, for the utility hook, keeping the workers out of
+ *	  the way of DROP DATABASE and telling the launcher about CREATE
+ *	  EXTENSION.
  *
  * The registry is a fixed array of idempotency.max_databases slots,
  * protected by one LWLock; the counters in each slot are atomics, bumped
@@ -12,8 +13,9 @@
  * pointer to it.
  *
  * Owns: the shared state, the commit callback that sets a worker's latch,
- *	  the utility hook, idem_stats_counters().
- * May call: tables/guard.h (from the utility hook), infra/guc.h.
+ *	  what a utility statement means to them (idem_shmem_utility),
+ *	  idem_stats_counters().
+ * May call: infra/guc.h.
  *
  *-------------------------------------------------------------------------
  */
@@ -32,13 +34,11 @@
 #include "storage/ipc.h"
 #include "storage/lwlock.h"
 #include "storage/shmem.h"
-#include "tcop/utility.h"
 #include "utils/builtins.h"
 #include "utils/timestamp.h"
 #include "utils/tuplestore.h"
 
 #include "compat.h"
-#include "tables/guard.h"
 #include "infra/claim_wait.h"
 #include "infra/guc.h"
 #include "infra/shmem.h"
@@ -67,7 +67,6 @@ static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
 #if PG_VERSION_NUM >= 150000
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
 #endif
-static ProcessUtility_hook_type prev_process_utility_hook = NULL;
 
 /* This backend's database slot, found once. */
 static IdemDatabaseSlot *my_slot = NULL;
@@ -127,11 +126,6 @@ startup_shmem(void)
 	LWLockRelease(AddinShmemInitLock);
 }
 
-static void process_utility(PlannedStmt *pstmt, const char *queryString, bool readOnlyTree,
-				ProcessUtilityContext context, ParamListInfo params,
-				QueryEnvironment *queryEnv, DestReceiver *dest,
-				QueryCompletion *qc);
-
 /*
  * Called from _PG_init while shared_preload_libraries is being processed.
  */
@@ -147,9 +141,6 @@ idem_shmem_register(void)
 #endif
 	prev_shmem_startup_hook = shmem_startup_hook;
 	shmem_startup_hook = startup_shmem;
-
-	prev_process_utility_hook = ProcessUtility_hook;
-	ProcessUtility_hook = process_utility;
 }
 
 LWLock *
@@ -421,49 +412,41 @@ defelem_string(List *options, const char *name)
 	return NULL;
 }
 
-static void
-process_utility(PlannedStmt *pstmt, const char *queryString, bool readOnlyTree,
-				ProcessUtilityContext context, ParamListInfo params,
-				QueryEnvironment *queryEnv, DestReceiver *dest,
-				QueryCompletion *qc)
+/*
+ * What a utility statement means to the shared state, before it runs (the
+ * library's utility hook calls this): the launcher told about CREATE
+ * EXTENSION at commit, the claims' waiters about a prepared transaction
+ * decided, and a database's worker kept away from DROP DATABASE and the
+ * statements that need the database to themselves.
+ */
+void
+idem_shmem_utility(Node *statement)
 {
-	Node	   *statement = pstmt->utilityStmt;
-
-	idem_guard_utility(statement);
-
-	if (shared != NULL)
+	if (shared == NULL)
+		return;
+	if (IsA(statement, CreateExtensionStmt) &&
+		strcmp(((CreateExtensionStmt *) statement)->extname, "idempotency") == 0)
 	{
-		if (IsA(statement, CreateExtensionStmt) &&
-			strcmp(((CreateExtensionStmt *) statement)->extname, "idempotency") == 0)
-		{
-			register_xact_callback();
-			wake_launcher_at_commit = true;
-		}
-		else if (IsA(statement, TransactionStmt) &&
-				 (((TransactionStmt *) statement)->kind == TRANS_STMT_COMMIT_PREPARED ||
-				  ((TransactionStmt *) statement)->kind == TRANS_STMT_ROLLBACK_PREPARED))
-		{
-			/* its claims are decided now; which keys it changed, we cannot tell */
-			claim_wait_all_changed();
-		}
-		else if (IsA(statement, DropdbStmt))
-			pause_worker(((DropdbStmt *) statement)->dbname);
-		else if (IsA(statement, RenameStmt) &&
-				 ((RenameStmt *) statement)->renameType == OBJECT_DATABASE)
-			pause_worker(((RenameStmt *) statement)->subname);
-		else if (IsA(statement, CreatedbStmt))
-			pause_worker(defelem_string(((CreatedbStmt *) statement)->options, "template"));
-		else if (IsA(statement, AlterDatabaseStmt) &&
-				 defelem_string(((AlterDatabaseStmt *) statement)->options, "tablespace") != NULL)
-			pause_worker(((AlterDatabaseStmt *) statement)->dbname);
+		register_xact_callback();
+		wake_launcher_at_commit = true;
 	}
-
-	if (prev_process_utility_hook)
-		prev_process_utility_hook(pstmt, queryString, readOnlyTree, context, params,
-								  queryEnv, dest, qc);
-	else
-		standard_ProcessUtility(pstmt, queryString, readOnlyTree, context, params,
-								queryEnv, dest, qc);
+	else if (IsA(statement, TransactionStmt) &&
+			 (((TransactionStmt *) statement)->kind == TRANS_STMT_COMMIT_PREPARED ||
+			  ((TransactionStmt *) statement)->kind == TRANS_STMT_ROLLBACK_PREPARED))
+	{
+		/* its claims are decided now; which keys it changed, we cannot tell */
+		claim_wait_all_changed();
+	}
+	else if (IsA(statement, DropdbStmt))
+		pause_worker(((DropdbStmt *) statement)->dbname);
+	else if (IsA(statement, RenameStmt) &&
+			 ((RenameStmt *) statement)->renameType == OBJECT_DATABASE)
+		pause_worker(((RenameStmt *) statement)->subname);
+	else if (IsA(statement, CreatedbStmt))
+		pause_worker(defelem_string(((CreatedbStmt *) statement)->options, "template"));
+	else if (IsA(statement, AlterDatabaseStmt) &&
+			 defelem_string(((AlterDatabaseStmt *) statement)->options, "tablespace") != NULL)
+		pause_worker(((AlterDatabaseStmt *) statement)->dbname);
 }
 
 /*

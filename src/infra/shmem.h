@@ -13,6 +13,7 @@
 #define IDEMPOTENCY_SHMEM_H
 
 #include "datatype/timestamp.h"
+#include "nodes/nodes.h"
 #include "nodes/pg_list.h"
 #include "port/atomics.h"
 #include "storage/latch.h"
@@ -59,6 +60,7 @@ typedef struct IdemDatabaseSlot
 
 extern void idem_shmem_register(void);
 extern LWLock *idem_shmem_lock(void);
+extern void idem_shmem_utility(Node *statement);
 
 extern IdemDatabaseSlot *idem_database_slot(Oid dboid, bool create);
 extern void idem_count(IdemCounter counter, uint64 n);
