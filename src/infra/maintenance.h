@@ -13,6 +13,7 @@
 #include "postgres_ext.h"
 #include "nodes/pg_list.h"
 #include "storage/block.h"
+#include "datatype/timestamp.h"
 
 /* The kinds of work, each done in bounded batches. */
 typedef enum MaintenanceUnit
@@ -98,13 +99,15 @@ typedef struct MaintenanceCursor
 	Oid		   *outbox_shards;
 	int			noutbox_shards;
 	/*
-	 * where this round's walks of the outbox go on (outbox/publish.c's
-	 * WalkPoints, in alone.context): those of the last committed batch, on
-	 * walked_shard, and those of the batch under way
+	 * where the walks of the outbox go on (outbox/publish.c's WalkPoints, in
+	 * alone.context): those of this round's last committed batch, those of
+	 * the batch under way, and where the next round's start; and when a
+	 * round last walked each topic from its oldest entry
 	 */
 	List	   *walked;
-	Oid			walked_shard;
 	List	   *walking;
+	List	   *round_starts;
+	TimestampTz full_walk_at;
 } MaintenanceCursor;
 
 /* Rows per careful publish batch: each takes a subtransaction. */

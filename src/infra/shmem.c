@@ -73,9 +73,29 @@ static IdemDatabaseSlot *my_slot = NULL;
 
 /* What to do when the current transaction commits. */
 static bool wake_worker_at_commit = false;
+static int64 wake_worker_from;	/* the smallest id it enqueued or requeued */
 static bool wake_launcher_at_commit = false;
 static bool routes_changed_at_commit = false;
 static bool xact_callback_registered = false;
+
+/*
+ * IdemDatabaseSlot.enqueued_from holds an id with its sign bit flipped, so
+ * that the order of the codes is the ids' order; ENQUEUED_NONE is
+ * PG_INT64_MAX's code.
+ */
+#define ENQUEUED_NONE PG_UINT64_MAX
+
+static inline uint64
+enqueued_code(int64 id)
+{
+	return (uint64) id ^ (UINT64CONST(1) << 63);
+}
+
+static inline int64
+enqueued_id(uint64 code)
+{
+	return (int64) (code ^ (UINT64CONST(1) << 63));
+}
 
 static Size
 shared_size(void)
@@ -118,6 +138,7 @@ startup_shmem(void)
 
 			memset(slot, 0, offsetof(IdemDatabaseSlot, routes_version));
 			pg_atomic_init_u32(&slot->routes_version, 0);
+			pg_atomic_init_u64(&slot->enqueued_from, ENQUEUED_NONE);
 			for (int c = 0; c < IDEM_NUM_COUNTERS; c++)
 				pg_atomic_init_u64(&slot->counters[c], 0);
 		}
@@ -188,6 +209,7 @@ idem_database_slot(Oid dboid, bool create)
 	{
 		memset(slot, 0, offsetof(IdemDatabaseSlot, routes_version));
 		pg_atomic_write_u32(&slot->routes_version, 0);
+		pg_atomic_write_u64(&slot->enqueued_from, ENQUEUED_NONE);
 		for (int c = 0; c < IDEM_NUM_COUNTERS; c++)
 			pg_atomic_write_u64(&slot->counters[c], 0);
 		slot->dboid = dboid;
@@ -289,7 +311,20 @@ at_transaction_end(XactEvent event, void *arg)
 
 		LWLockAcquire(shared->lock, wake_launcher_at_commit ? LW_EXCLUSIVE : LW_SHARED);
 		if (slot != NULL && wake_worker_at_commit)
+		{
+			/*
+			 * After the commit became visible, so that a worker that takes
+			 * this before its next snapshot sees the rows (see
+			 * idem_take_enqueued_from)
+			 */
+			uint64		from = enqueued_code(wake_worker_from);
+			uint64		seen = pg_atomic_read_u64(&slot->enqueued_from);
+
+			while (from < seen &&
+				   !pg_atomic_compare_exchange_u64(&slot->enqueued_from, &seen, from))
+				;
 			worker_latch = slot->worker_latch;
+		}
 		if (slot != NULL && wake_launcher_at_commit)
 		{
 			/* the extension was just created here: serve this database */
@@ -320,17 +355,38 @@ register_xact_callback(void)
 }
 
 /*
- * The transaction enqueued an outbox row: when it commits, wake the
- * database's worker so that publishing starts within milliseconds instead
- * of at its next nap's end.
+ * The transaction enqueued (or requeued) outbox rows, first_id the smallest:
+ * when it commits, wake the database's worker so that publishing starts
+ * within milliseconds instead of at its next nap's end, and tell it how far
+ * back to look (PG_INT64_MIN: from each topic's oldest row).
  */
 void
-idem_wake_worker_at_commit(void)
+idem_wake_worker_at_commit(int64 first_id)
 {
-	if (shared == NULL || wake_worker_at_commit)
+	if (shared == NULL)
 		return;
-	register_xact_callback();
-	wake_worker_at_commit = true;
+	if (!wake_worker_at_commit)
+	{
+		register_xact_callback();
+		wake_worker_at_commit = true;
+		wake_worker_from = first_id;
+	}
+	else
+		wake_worker_from = Min(wake_worker_from, first_id);
+}
+
+/*
+ * For the worker, before its round's first snapshot: the smallest id of
+ * the rows committed (enqueued or requeued) since it last asked, or
+ * PG_INT64_MAX if none.  Rows committed after this call lower it again for
+ * the next round; those committed before are seen by the round's snapshot.
+ */
+int64
+idem_take_enqueued_from(void)
+{
+	if (shared == NULL || my_database_slot() == NULL)
+		return PG_INT64_MIN;
+	return enqueued_id(pg_atomic_exchange_u64(&my_slot->enqueued_from, ENQUEUED_NONE));
 }
 
 /*
@@ -342,7 +398,8 @@ idem_routes_changed_at_commit(void)
 {
 	if (shared == NULL)
 		return;
-	idem_wake_worker_at_commit();
+	/* a topic routed now may have rows from long ago */
+	idem_wake_worker_at_commit(PG_INT64_MIN);
 	routes_changed_at_commit = true;
 }
 

@@ -50,6 +50,8 @@ typedef struct IdemDatabaseSlot
 	TimestampTz paused_until;	/* no worker before this (DROP DATABASE) */
 	TimestampTz last_round;		/* when the worker last finished a round */
 	pg_atomic_uint32 routes_version;	/* bumped by each commit that routes */
+	/* the smallest outbox id committed since the worker last looked (ENQUEUED_NONE) */
+	pg_atomic_uint64 enqueued_from;
 
 	/*
 	 * Written by nearly every call, so on cache lines of their own: the
@@ -71,7 +73,8 @@ extern void idem_launcher_free_slots_except(List *present_oids);
 extern int	idem_max_databases_slots(void);
 
 /* Ask, from any backend, for something to happen when its transaction commits. */
-extern void idem_wake_worker_at_commit(void);
+extern void idem_wake_worker_at_commit(int64 first_id);
+extern int64 idem_take_enqueued_from(void);
 extern void idem_routes_changed_at_commit(void);
 extern bool idem_routes_changed_in_transaction(void);
 

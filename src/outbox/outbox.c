@@ -311,7 +311,7 @@ idem_outbox_enqueue(PG_FUNCTION_ARGS)
 	idem_require_writable("idem_outbox_enqueue()");
 	id = enqueue_sql(topic, key, PG_GETARG_DATUM(1), headers);
 	if (topic_is_routed(topic))
-		idem_wake_worker_at_commit();
+		idem_wake_worker_at_commit(id);
 
 	PG_RETURN_INT64(id);
 }
@@ -470,7 +470,7 @@ idem_outbox_enqueue_batch(PG_FUNCTION_ARGS)
 	(void) outbox_sql_run(STMT_ENQUEUE_BATCH, values, nulls);
 	outbox_sql_end(&context);
 	if (topic_is_routed(topic))
-		idem_wake_worker_at_commit();
+		idem_wake_worker_at_commit(DatumGetInt64(ids[0]));
 
 	return (Datum) 0;
 }
@@ -1436,7 +1436,11 @@ requeue_row(Oid shard, int64 id)
 
 	values[0] = Int64GetDatum(id);
 	values[1] = TimestampTzGetDatum(GetCurrentTimestamp());
-	return change_one_row(shard, STMT_REQUEUE, values, NULL, "requeue");
+	if (!change_one_row(shard, STMT_REQUEUE, values, NULL, "requeue"))
+		return false;
+	/* pending again, perhaps behind where the worker's rounds start (publish.c) */
+	idem_wake_worker_at_commit(id);
+	return true;
 }
 
 /* A discard of row id: $1 id. */

@@ -110,7 +110,7 @@
 	"  SELECT o AS event, o.id, o.topic, o.key, o.payload, o.headers, o.created_at" \
 	"  FROM idempotency.outbox o" \
 	"  WHERE o.state = 'pending' AND o.published_at IS NULL AND o.available_at <= $1" \
-	"    AND " topic_filter " AND o.id > $4" \
+	"    AND " topic_filter \
 	"    AND NOT EXISTS (SELECT FROM idempotency.outbox e" \
 	"                    WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id" \
 	"                      AND e.state <> 'published' AND e.published_at IS NULL" \
@@ -568,7 +568,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * backlog), or the topics routed to none, when there is one.
 	 */
 	[STMT_PUBLISH_CANDIDATES_TOPIC] = {
-		PUBLISH_CANDIDATES_SQL(ONE_TOPIC("$3"), "o.topic, o.id"),
+		PUBLISH_CANDIDATES_SQL(ONE_TOPIC("$3") " AND o.id > $4", "o.topic, o.id"),
 		4, {TIMESTAMPTZOID, INT4OID, TEXTOID, INT8OID}, IDEM_PLAN_CUSTOM, true
 	},
 	/*
@@ -578,13 +578,25 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * batch.
 	 */
 	[STMT_PUBLISH_CANDIDATES_EXCEPT] = {
-		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3)", "o.id"),
+		PUBLISH_CANDIDATES_SQL("o.topic <> ALL ($3) AND o.id > $4", "o.id"),
 		4, {TIMESTAMPTZOID, INT4OID, TEXTARRAYOID, INT8OID}, IDEM_PLAN_CUSTOM
 	},
 	/* one row, by id ($3), if it is still a candidate (see outbox_publish_row) */
 	[STMT_PUBLISH_CANDIDATE_ROW] = {
 		PUBLISH_CANDIDATES_SQL("o.id = $3", "o.id"),
-		4, {TIMESTAMPTZOID, INT4OID, INT8OID, INT8OID}
+		3, {TIMESTAMPTZOID, INT4OID, INT8OID}
+	},
+	/*
+	 * Where a round of the worker starts its walk of a topic ($1): the
+	 * topic's oldest row after $2 that is pending or leased (a dead one
+	 * waits for a requeue, which says so: publish.c's RoundStart).
+	 */
+	[STMT_PUBLISH_OLDEST] = {
+		"SELECT o.id FROM idempotency.outbox o"
+		" WHERE " ONE_TOPIC("$1") " AND o.id > $2"
+		"   AND o.state IN ('pending', 'leased') AND o.published_at IS NULL"
+		" ORDER BY o.topic, o.id LIMIT 1",
+		2, {TEXTOID, INT8OID}, IDEM_PLAN_GENERIC, true
 	},
 	[STMT_ROUTES] = {
 		"SELECT topic, target <> 'none' AS routed FROM idempotency.outbox_routes",

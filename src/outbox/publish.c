@@ -497,44 +497,123 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
 }
 
 /*
- * Where the walks of this round's batches go on.  Each batch's walk of a
- * topic reads the outbox_ready entries in id order from the topic's
- * oldest; the rows the batches before it published are deleted, but while
- * a snapshot held anywhere in the database may still see them, their
- * entries cannot be marked dead, and each walk would read them all again
- * in the heap: with a snapshot held, the n batches of a round read about
- * n^2 / 2 batches of rows (bench/README.md).  So a batch's walk of a topic
- * goes on after the last id the walk of the round's last committed batch
- * looked at, if that batch was on the same shard (a round goes through the
- * shards one by one); "" stands for the walk across the topics without a
- * route, when there is a default route.  The ids below it are published,
- * or left for the next round, which starts again from the oldest: a row
- * whose key was held back, one that was locked by a relay, and one whose
- * transaction took its id before and committed after the walk.  A batch
- * that fails leaves the points where they were, so that the careful batch
- * that follows looks at the same rows.
+ * Where the walks of the worker's batches go on.  A batch's walk of a topic
+ * reads the outbox_ready entries in id order; the rows published before
+ * are deleted, but their entries are marked dead only by a vacuum, or by a
+ * scan that finds the page unchanged since it read it (which, with a small
+ * backlog, the enqueuers change all the time), and while a snapshot held
+ * anywhere in the database may still see the rows, by nothing: a walk from
+ * the topic's oldest entry would read them all in the heap, each batch
+ * again (bench/README.md).  So:
+ *
+ * - A batch's walk of a topic goes on after the last id the walk of the
+ *   round's last committed batch looked at, if that batch was on the same
+ *   shard (a round goes through the shards one by one); "" stands for the
+ *   walk across the topics without a route, when there is a default route.
+ *   The ids below it are published, or left for the next round: a row whose
+ *   key was held back, one locked by a relay, one whose transaction took its
+ *   id before and committed after the walk.  A batch that fails leaves the
+ *   points where they were, so that the careful batch that follows looks at
+ *   the same rows.
+ *
+ * - A round's first walk of a routed topic starts at the topic's oldest row
+ *   that is pending or leased (STMT_PUBLISH_OLDEST), looked for after where
+ *   the last round's was (round_starts): below it, every row was published,
+ *   or dead, or not committed yet when the last round looked.  A commit that
+ *   enqueues or requeues rows tells the worker the smallest of their ids
+ *   (idem_take_enqueued_from), and the round starts below it; what nothing
+ *   tells of (a prepared transaction's commit, a row inserted by hand, an
+ *   enqueue on another node of a Citus cluster) is found by the walk from
+ *   each topic's oldest entry that a round makes every idempotency.naptime.
  */
 typedef struct WalkPoint
 {
+	Oid			shard;			/* the shard walked, or InvalidOid: the table */
 	int64		after;
 	char		topic[FLEXIBLE_ARRAY_MEMBER];	/* "": the walk across the unrouted topics */
 } WalkPoint;
 
-/* Where this batch's walk of topic goes on (see above). */
-static int64
-walk_after(const MaintenanceCursor *cursor, const char *topic)
+static WalkPoint *
+find_point(List *points, Oid shard, const char *topic)
 {
 	ListCell   *lc;
 
-	if (cursor->walked_shard == cursor->outbox_shard)
-		foreach(lc, cursor->walked)
-		{
-			WalkPoint  *point = lfirst(lc);
+	foreach(lc, points)
+	{
+		WalkPoint  *point = lfirst(lc);
 
-			if (strcmp(point->topic, topic) == 0)
-				return point->after;
-		}
-	return PG_INT64_MIN;
+		if (point->shard == shard && strcmp(point->topic, topic) == 0)
+			return point;
+	}
+	return NULL;
+}
+
+/* A point of the walk of topic on the cursor's shard, appended to *points. */
+static WalkPoint *
+add_point(MaintenanceCursor *cursor, List **points, const char *topic, int64 after)
+{
+	MemoryContext old = MemoryContextSwitchTo(cursor->alone.context);
+	WalkPoint  *point = palloc(offsetof(WalkPoint, topic) + strlen(topic) + 1);
+
+	point->shard = cursor->outbox_shard;
+	point->after = after;
+	strcpy(point->topic, topic);
+	*points = lappend(*points, point);
+	MemoryContextSwitchTo(old);
+	return point;
+}
+
+/* A round begins: where its walks start (see above). */
+static void
+start_round(MaintenanceCursor *cursor)
+{
+	int64		from = idem_take_enqueued_from();
+	TimestampTz now = GetCurrentTimestamp();
+	ListCell   *lc;
+
+	if (TimestampDifferenceExceeds(cursor->full_walk_at, now, idem_naptime_ms))
+	{
+		list_free_deep(cursor->round_starts);
+		cursor->round_starts = NIL;
+		cursor->full_walk_at = now;
+	}
+	foreach(lc, cursor->round_starts)
+	{
+		WalkPoint  *start = lfirst(lc);
+
+		if (from <= start->after)
+			start->after = from == PG_INT64_MIN ? PG_INT64_MIN : from - 1;
+	}
+}
+
+/* Where this batch's walk of topic goes on (see above). */
+static int64
+walk_after(MaintenanceCursor *cursor, const char *topic)
+{
+	WalkPoint  *point = find_point(cursor->walked, cursor->outbox_shard, topic);
+	Datum		values[2];
+
+	if (point != NULL)
+		return point->after;
+	if (topic[0] == '\0')
+		return PG_INT64_MIN;
+
+	/* the round's first walk of the topic */
+	point = find_point(cursor->round_starts, cursor->outbox_shard, topic);
+	if (point == NULL)
+		point = add_point(cursor, &cursor->round_starts, topic, PG_INT64_MIN);
+	values[0] = CStringGetTextDatum(topic);
+	values[1] = Int64GetDatum(point->after);
+	if (outbox_sql_run(STMT_PUBLISH_OLDEST, values, NULL) == 1)
+	{
+		bool		isnull;
+		int64		oldest = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
+														 SPI_tuptable->tupdesc, 1,
+														 &isnull));
+
+		point->after = oldest - 1;
+	}
+	return point->after;
 }
 
 /* The walk of topic, after after, read list's candidates from first on. */
@@ -542,14 +621,9 @@ static void
 note_walk(MaintenanceCursor *cursor, const char *topic, int64 after,
 		  const CandidateList *list, uint64 first)
 {
-	MemoryContext old = MemoryContextSwitchTo(cursor->alone.context);
-	WalkPoint  *point = palloc(offsetof(WalkPoint, topic) + strlen(topic) + 1);
-
-	strcpy(point->topic, topic);
 	/* the candidates come in id order */
-	point->after = list->count > first ? list->items[list->count - 1].id : after;
-	cursor->walking = lappend(cursor->walking, point);
-	MemoryContextSwitchTo(old);
+	(void) add_point(cursor, &cursor->walking, topic,
+					 list->count > first ? list->items[list->count - 1].id : after);
 }
 
 /* The batch under way committed (keep: where its walks stopped counts) or failed. */
@@ -560,7 +634,6 @@ end_walks(MaintenanceCursor *cursor, bool keep)
 	{
 		list_free_deep(cursor->walked);
 		cursor->walked = cursor->walking;
-		cursor->walked_shard = cursor->outbox_shard;
 	}
 	else
 		list_free_deep(cursor->walking);
@@ -686,7 +759,7 @@ outbox_publish_row(Oid shard, TimestampTz now, int64 id, volatile bool *started,
 				   uint64 *published_count, uint64 *failed_count)
 {
 	OutboxSqlContext context;
-	Datum		values[4];
+	Datum		values[3];
 	CandidateList list = {NULL, 0, 0, CurrentMemoryContext, OidIsValid(shard)};
 
 	*published_count = *failed_count = 0;
@@ -696,7 +769,6 @@ outbox_publish_row(Oid shard, TimestampTz now, int64 id, volatile bool *started,
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(1);
 	values[2] = Int64GetDatum(id);
-	values[3] = Int64GetDatum(PG_INT64_MIN);
 	copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATE_ROW, values, NULL), &list);
 	publish_candidates(&list, now, true, started, published_count, failed_count);
 	outbox_sql_end(&context);
@@ -1072,9 +1144,10 @@ run_publish_batch(MaintenanceCursor *cursor)
 void
 publish_all(MaintenanceCursor *cursor)
 {
+	start_round(cursor);
 	while (run_publish_batch(cursor))
 		CHECK_FOR_INTERRUPTS();
-	/* the next round walks from the oldest again */
+	/* the next round's walks start at round_starts */
 	list_free_deep(cursor->walked);
 	cursor->walked = NIL;
 }
