@@ -333,20 +333,40 @@ def bench_publish(cluster):
     # the rows not published yet, through outbox_ready: a count of the
     # topic's rows read the whole primary key each second, every row
     # published since the last vacuum again, as long as it took
-    backlog_sql = ("SELECT count(*) FROM idempotency.outbox"
-                   " WHERE topic = 'published' AND published_at IS NULL")
+    # ; and, after it, the entries of outbox_ready that count read, which
+    # are taken off those read by everyone (the worker's walks are the rest):
+    # without parallel workers, whose counts are theirs
+    backlog_sql = ("SET max_parallel_workers_per_gather = 0;"
+                   " SELECT n || ' ' || pg_stat_get_xact_tuples_returned('idempotency.outbox_ready'::regclass)"
+                   " FROM (SELECT count(*) AS n FROM idempotency.outbox"
+                   "       WHERE topic = 'published' AND published_at IS NULL) c")
+    ready_read_sql = ("SELECT idx_tup_read FROM pg_stat_user_indexes"
+                      " WHERE indexrelid = 'idempotency.outbox_ready'::regclass")
+    sampler_read = [0]
+
+    def count_backlog():
+        n, read = (int(x) for x in cluster.psql(backlog_sql).split())
+        sampler_read[0] += read
+        return n
 
     def sample():
         while not done.wait(1.0):
-            backlog.append(int(cluster.psql(backlog_sql)))
+            backlog.append(count_backlog())
 
+    ready_read_before = int(cluster.psql(ready_read_sql))
+    published_before = int(cluster.psql("SELECT count(*) FROM sink"))
     sampler = threading.Thread(target=sample)
     sampler.start()
     tps, _ = cluster.pgbench("enqueue_published.sql", PUBLISH_SECONDS)
     done.set()
     sampler.join()
     time.sleep(2)
-    drained = int(cluster.psql(backlog_sql))
+    drained = count_backlog()
+    # the worker sends its counts at most once a second, between batches
+    # or naps (naptime 1 s): wait for the last of them
+    time.sleep(1.5)
+    published = int(cluster.psql("SELECT count(*) FROM sink")) - published_before
+    worker_read = int(cluster.psql(ready_read_sql)) - ready_read_before - sampler_read[0]
     p50, p99 = (float(x) for x in cluster.psql(
         "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms) || '|' ||"
         "       percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)"
@@ -359,7 +379,8 @@ def bench_publish(cluster):
     keeps_up = max(second) <= max(first) * 1.5 + 100 and drained == 0
     failures = int(cluster.psql("SELECT publish_failures FROM idempotency.idem_stats_counters()"))
     return {"tps": tps, "failures": failures, "backlog_max": max(backlog or [0]), "backlog_last": (backlog or [0])[-1],
-            "drained": drained, "p50": p50, "p99": p99, "keeps_up": keeps_up}
+            "drained": drained, "p50": p50, "p99": p99, "keeps_up": keeps_up,
+            "ready_read_per_row": worker_read / max(published, 1)}
 
 
 # --- the outbox's batch calls and pull API (issue 19) -----------------------
@@ -1223,11 +1244,13 @@ def main():
             print(f"enqueue {published['tps']:.0f} tps; backlog max {published['backlog_max']}, "
                   f"last {published['backlog_last']}, after 2 s {published['drained']}; "
                   f"commit->publish p50 {published['p50']:.1f} ms, p99 {published['p99']:.1f} ms; "
-                  f"keeps up: {published['keeps_up']}; failed publishing attempts: {published['failures']}",
+                  f"keeps up: {published['keeps_up']}; failed publishing attempts: {published['failures']}; "
+                  f"entries of outbox_ready the worker read per row published: {published['ready_read_per_row']:.1f}",
                   flush=True)
             summary["publish_keeps_up"] = published["keeps_up"]
             summary["publish_p50_ms"] = round(published["p50"], 2)
             summary["publish_p99_ms"] = round(published["p99"], 2)
+            summary["publish_ready_read_per_row"] = round(published["ready_read_per_row"], 1)
 
         if "wait" in PARTS:
             print(f"\n== idem_claim's wait: a cluster of its own, max_connections {WAITERS + 100}")

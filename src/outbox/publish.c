@@ -507,10 +507,9 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
  * again (bench/README.md).  So:
  *
  * - A batch's walk of a topic goes on after the last id the walk of the
- *   round's last committed batch looked at, if that batch was on the same
- *   shard (a round goes through the shards one by one); "" stands for the
- *   walk across the topics without a route, when there is a default route.
- *   The ids below it are published, or left for the next round: a row whose
+ *   round's last committed batch looked at, on the same shard; "" stands
+ *   for the walk across the topics without a route, when there is a default
+ *   route.  The ids below it are published or left for later: a row whose
  *   key was held back, one locked by a relay, one whose transaction took its
  *   id before and committed after the walk.  A batch that fails leaves the
  *   points where they were, so that the careful batch that follows looks at
@@ -519,12 +518,19 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
  * - A round's first walk of a routed topic starts at the topic's oldest row
  *   that is pending or leased (STMT_PUBLISH_OLDEST), looked for after where
  *   the last round's was (round_starts): below it, every row was published,
- *   or dead, or not committed yet when the last round looked.  A commit that
- *   enqueues or requeues rows tells the worker the smallest of their ids
- *   (idem_take_enqueued_from), and the round starts below it; what nothing
- *   tells of (a prepared transaction's commit, a row inserted by hand, an
- *   enqueue on another node of a Citus cluster) is found by the walk from
- *   each topic's oldest entry that a round makes every idempotency.naptime.
+ *   or dead, or not committed yet when the last round looked.
+ *
+ * - A commit that enqueues or requeues rows tells the worker the smallest of
+ *   their ids (idem_take_enqueued_from), which it takes before each batch's
+ *   snapshot: the points past it go back to it (before_batch).  A row
+ *   committed late is walked by the next batch, not left for the next round,
+ *   which a backlog could put off for long, with the rest of its key held
+ *   back by it meanwhile.
+ *
+ * - Every idempotency.naptime the walks start again from each topic's oldest
+ *   entry: for what nothing tells of (a prepared transaction's commit, a row
+ *   inserted by hand, an enqueue through another node of a Citus cluster),
+ *   and for the rows held back or locked, when a backlog keeps a round going.
  */
 typedef struct WalkPoint
 {
@@ -563,27 +569,43 @@ add_point(MaintenanceCursor *cursor, List **points, const char *topic, int64 aft
 	return point;
 }
 
-/* A round begins: where its walks start (see above). */
+/* The points of points at or past from go back to just before it. */
 static void
-start_round(MaintenanceCursor *cursor)
+lower_points(List *points, int64 from)
+{
+	ListCell   *lc;
+
+	foreach(lc, points)
+	{
+		WalkPoint  *point = lfirst(lc);
+
+		if (from <= point->after)
+			point->after = from == PG_INT64_MIN ? PG_INT64_MIN : from - 1;
+	}
+}
+
+/*
+ * Before each of the worker's batches, ahead of its snapshot (see above):
+ * the rows committed since the last batch are walked, if they are behind
+ * where the walks go on; and every naptime the walks start again from each
+ * topic's oldest entry, for the rows nothing told of, and for those held
+ * back or locked, when a backlog keeps the round going.
+ */
+static void
+before_batch(MaintenanceCursor *cursor)
 {
 	int64		from = idem_take_enqueued_from();
 	TimestampTz now = GetCurrentTimestamp();
-	ListCell   *lc;
 
 	if (TimestampDifferenceExceeds(cursor->full_walk_at, now, idem_naptime_ms))
 	{
+		list_free_deep(cursor->walked);
 		list_free_deep(cursor->round_starts);
-		cursor->round_starts = NIL;
+		cursor->walked = cursor->round_starts = NIL;
 		cursor->full_walk_at = now;
 	}
-	foreach(lc, cursor->round_starts)
-	{
-		WalkPoint  *start = lfirst(lc);
-
-		if (from <= start->after)
-			start->after = from == PG_INT64_MIN ? PG_INT64_MIN : from - 1;
-	}
+	lower_points(cursor->walked, from);
+	lower_points(cursor->round_starts, from);
 }
 
 /* Where this batch's walk of topic goes on (see above). */
@@ -1111,6 +1133,7 @@ run_publish_batch(MaintenanceCursor *cursor)
 	bool		more;
 	bool		blame;
 
+	before_batch(cursor);
 	more = worker_run_unit(maintenance_unit_names[UNIT_PUBLISH],
 						   WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
 						   batch_unit, &publish, &error);
@@ -1144,7 +1167,6 @@ run_publish_batch(MaintenanceCursor *cursor)
 void
 publish_all(MaintenanceCursor *cursor)
 {
-	start_round(cursor);
 	while (run_publish_batch(cursor))
 		CHECK_FOR_INTERRUPTS();
 	/* the next round's walks start at round_starts */
