@@ -40,7 +40,7 @@ maintenance_cursor_init(MaintenanceCursor *cursor)
 	cursor->outbox_shards = NULL;
 	cursor->noutbox_shards = -1;
 	cursor->walked = cursor->walking = cursor->round_starts = NIL;
-	cursor->full_walk_at = 0;
+	cursor->started_at = cursor->oldest_walked_at = 0;
 	/* the caller's context outlives the batches: the worker's is TopMemoryContext */
 	cursor->alone.ids = NULL;
 	cursor->alone.count = cursor->alone.capacity = 0;

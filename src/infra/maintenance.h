@@ -101,13 +101,15 @@ typedef struct MaintenanceCursor
 	/*
 	 * where the walks of the outbox go on (outbox/publish.c's WalkPoints, in
 	 * alone.context): those of this round's last committed batch, those of
-	 * the batch under way, and where the next round's start; and when a
-	 * round last walked each topic from its oldest entry
+	 * the batch under way, and where the next round's start; when the
+	 * walks last started at round_starts, and when at each topic's oldest
+	 * entry
 	 */
 	List	   *walked;
 	List	   *walking;
 	List	   *round_starts;
-	TimestampTz full_walk_at;
+	TimestampTz started_at;
+	TimestampTz oldest_walked_at;
 } MaintenanceCursor;
 
 /* Rows per careful publish batch: each takes a subtransaction. */

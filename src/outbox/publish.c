@@ -527,10 +527,15 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
  *   which a backlog could put off for long, with the rest of its key held
  *   back by it meanwhile.
  *
- * - Every idempotency.naptime the walks start again from each topic's oldest
- *   entry: for what nothing tells of (a prepared transaction's commit, a row
- *   inserted by hand, an enqueue through another node of a Citus cluster),
- *   and for the rows held back or locked, when a backlog keeps a round going.
+ * - Every idempotency.naptime, a round that a backlog keeps going starts
+ *   its walks again at round_starts, for the rows held back or locked (the
+ *   look for the oldest moves each start up past the rows published
+ *   meanwhile); and a round that begins a naptime after the last that did
+ *   walks from each topic's oldest entry, for what nothing tells of (a
+ *   prepared transaction's commit, a row inserted by hand, an enqueue
+ *   through another node of a Citus cluster).  Not from the oldest entry
+ *   while a round goes on: it reads every row published since the last
+ *   vacuum, and with a backlog that is more than the batches publish.
  */
 typedef struct WalkPoint
 {
@@ -587,22 +592,30 @@ lower_points(List *points, int64 from)
 /*
  * Before each of the worker's batches, ahead of its snapshot (see above):
  * the rows committed since the last batch are walked, if they are behind
- * where the walks go on; and every naptime the walks start again from each
- * topic's oldest entry, for the rows nothing told of, and for those held
- * back or locked, when a backlog keeps the round going.
+ * where the walks go on; every naptime, a round that a backlog keeps going
+ * walks again from its starts, for the rows held back or locked; and a
+ * round that begins a naptime after the last that did walks from each
+ * topic's oldest entry, for the rows nothing told of.
  */
 static void
-before_batch(MaintenanceCursor *cursor)
+before_batch(MaintenanceCursor *cursor, bool round_begins)
 {
 	int64		from = idem_take_enqueued_from();
 	TimestampTz now = GetCurrentTimestamp();
 
-	if (TimestampDifferenceExceeds(cursor->full_walk_at, now, idem_naptime_ms))
+	if (round_begins &&
+		TimestampDifferenceExceeds(cursor->oldest_walked_at, now, idem_naptime_ms))
+	{
+		list_free_deep(cursor->round_starts);
+		cursor->round_starts = NIL;
+		cursor->oldest_walked_at = now;
+	}
+	if (round_begins ||
+		TimestampDifferenceExceeds(cursor->started_at, now, idem_naptime_ms))
 	{
 		list_free_deep(cursor->walked);
-		list_free_deep(cursor->round_starts);
-		cursor->walked = cursor->round_starts = NIL;
-		cursor->full_walk_at = now;
+		cursor->walked = NIL;
+		cursor->started_at = now;
 	}
 	lower_points(cursor->walked, from);
 	lower_points(cursor->round_starts, from);
@@ -1126,14 +1139,14 @@ batch_unit(void *arg)
  * Returns whether another batch has work to do.
  */
 static bool
-run_publish_batch(MaintenanceCursor *cursor)
+run_publish_batch(MaintenanceCursor *cursor, bool round_begins)
 {
 	PublishUnit publish = {.cursor = cursor};
 	ErrorData  *error;
 	bool		more;
 	bool		blame;
 
-	before_batch(cursor);
+	before_batch(cursor, round_begins);
 	more = worker_run_unit(maintenance_unit_names[UNIT_PUBLISH],
 						   WORKER_UNIT_SNAPSHOT | WORKER_UNIT_EXTENSION,
 						   batch_unit, &publish, &error);
@@ -1167,11 +1180,13 @@ run_publish_batch(MaintenanceCursor *cursor)
 void
 publish_all(MaintenanceCursor *cursor)
 {
-	while (run_publish_batch(cursor))
+	bool		round_begins = true;
+
+	while (run_publish_batch(cursor, round_begins))
+	{
 		CHECK_FOR_INTERRUPTS();
-	/* the next round's walks start at round_starts */
-	list_free_deep(cursor->walked);
-	cursor->walked = NIL;
+		round_begins = false;
+	}
 }
 
 /* Publish now if a commit enqueued rows since we last looked. */
