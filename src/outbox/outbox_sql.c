@@ -647,15 +647,19 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * batch: the rows past both come first and each is deleted; only once
 	 * they are gone does a batch read past the truncated rows still kept,
 	 * when outbox_retention is the shorter and not 0 (see
-	 * outbox_purge_published).
+	 * outbox_purge_published).  The ids are gathered first (ARRAY, run
+	 * once) and the rows then found by the primary key, under
+	 * walk_in_order: with "id IN (...)" the planner joined the ids to a
+	 * scan of the whole table (18, a generic plan), which, before it found
+	 * there was nothing to delete, read every dead row at its front.
 	 */
 	[STMT_PURGE_PUBLISHED] = {
-		"DELETE FROM idempotency.outbox WHERE id IN ("
+		"DELETE FROM idempotency.outbox WHERE id = ANY (ARRAY("
 		"  SELECT id FROM idempotency.outbox"
 		"  WHERE state = 'published' AND published_at <= $1"
 		"    AND (published_at <= $3 OR available_at <> 'infinity')"
-		"  ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
-		3, {TIMESTAMPTZOID, INT4OID, TIMESTAMPTZOID}
+		"  ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED))",
+		3, {TIMESTAMPTZOID, INT4OID, TIMESTAMPTZOID}, IDEM_PLAN_GENERIC, true
 	},
 };
 
