@@ -63,13 +63,14 @@ BEGIN
 	now_ts := clock_timestamp();
 	truncated_before := now_ts - idempotency._duration_setting('idempotency.notify_truncated_retention', 's', 3600, 0);
 	retention := idempotency._duration_setting('idempotency.outbox_retention', 's', 0, 0);
-	/* STMT_PURGE_PUBLISHED */
-	DELETE FROM idempotency.outbox WHERE id IN (
-		SELECT o.id FROM idempotency.outbox o
+	/* STMT_PURGE_PUBLISHED; the rows then by ctid, like the events above, not joined to a scan of the table */
+	DELETE FROM idempotency.outbox
+	WHERE ctid = ANY (ARRAY(
+		SELECT o.ctid FROM idempotency.outbox o
 		WHERE o.state = 'published'
 		  AND o.published_at <= CASE WHEN retention = interval '0' THEN truncated_before ELSE now_ts - retention END
 		  AND (o.published_at <= truncated_before OR o.available_at <> 'infinity')
-		ORDER BY o.published_at LIMIT batch FOR UPDATE SKIP LOCKED);
+		ORDER BY o.published_at LIMIT batch FOR UPDATE SKIP LOCKED));
 	GET DIAGNOSTICS purged_outbox = ROW_COUNT;
 
 	publish_batch := idempotency._integer_setting('idempotency.publish_batch_size', 1, 10000, 100);
