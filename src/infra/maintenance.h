@@ -101,7 +101,7 @@ typedef struct MaintenanceCursor
 	/*
 	 * where the walks of the outbox go on (outbox/publish.c's WalkPoints, in
 	 * alone.context): those of this round's last committed batch, those of
-	 * the batch under way, and where the next round's start; when the
+	 * the batch under way, and where each round's walks start; when the
 	 * walks last started at round_starts, and when at each topic's oldest
 	 * entry
 	 */

@@ -376,10 +376,10 @@ idem_wake_worker_at_commit(int64 first_id)
 }
 
 /*
- * For the worker, before its round's first snapshot: the smallest id of
+ * For the worker, before each publish batch's snapshot: the smallest id of
  * the rows committed (enqueued or requeued) since it last asked, or
  * PG_INT64_MAX if none.  Rows committed after this call lower it again for
- * the next round; those committed before are seen by the round's snapshot.
+ * the next batch; those committed before are seen by this one's snapshot.
  */
 int64
 idem_take_enqueued_from(void)

@@ -589,7 +589,8 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	/*
 	 * Where a round of the worker starts its walk of a topic ($1): the
 	 * topic's oldest row after $2 that is pending or leased (a dead one
-	 * waits for a requeue, which says so: publish.c's RoundStart).
+	 * waits for a requeue, which tells the worker: see publish.c's
+	 * before_batch).
 	 */
 	[STMT_PUBLISH_OLDEST] = {
 		"SELECT o.id FROM idempotency.outbox o"
