@@ -101,10 +101,15 @@ is($node->safe_psql('postgres',
 	'the worker shows in pg_stat_activity: one backend_type for every worker, the application_name naming its database');
 publishes('postgres', 'at start');
 
-# --- pg_terminate_backend stops a worker; the launcher starts it again
+# --- pg_terminate_backend stops a worker; the launcher starts it again,
+# after a delay it logs
+my $restart_delayed = qr/the worker for database "postgres" stopped; the next starts in \d+ ms/;
+my $log_offset = -s $node->logfile;
 $node->safe_psql('postgres', "SELECT pg_terminate_backend($pid)");
 my $new_pid = wait_for_worker('postgres', $pid);
 isnt($new_pid, $pid, 'after pg_terminate_backend a new worker serves the database');
+ok(eval { $node->wait_for_log($restart_delayed, $log_offset); 1 },
+	'... started after a delay, as the launcher says in the log');
 publishes('postgres', 'after pg_terminate_backend');
 
 # --- the launcher too comes back after pg_terminate_backend
@@ -142,7 +147,11 @@ ok($node->poll_query_until('postgres',
 		"SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database later'"),
 	'no worker is left for the dropped database');
 
-# --- DROP EXTENSION / CREATE EXTENSION in a live database
+# --- DROP EXTENSION / CREATE EXTENSION in a live database: a worker that
+# left for want of the extension is no crash, and the next CREATE EXTENSION
+# starts one at once, not after the delay of a worker that stopped (which
+# kept the worker of a server just set up away for a second)
+$log_offset = -s $node->logfile;
 $node->safe_psql('postgres', 'DROP EXTENSION idempotency CASCADE; DROP TABLE sink');
 ok($node->poll_query_until('postgres',
 		"SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency worker' AND application_name = 'idempotency worker for database postgres'"),
@@ -150,6 +159,8 @@ ok($node->poll_query_until('postgres',
 $node->safe_psql('postgres', $setup);
 wait_for_worker('postgres');
 publishes('postgres', 'after DROP and CREATE EXTENSION');
+unlike(slurp_file($node->logfile, $log_offset), $restart_delayed,
+	'... and the launcher started it again with no delay');
 
 # --- purge happens in bounded batches, each a transaction of its own
 $node->safe_psql('postgres', q{
@@ -224,7 +235,7 @@ $node->poll_query_until('postgres', 'SELECT count(*) > 100 FROM writes')
 
 # the pages the rows are on, and the space they take there, recorded before
 # the worker can see them
-my $log_offset = -s $node->logfile;
+$log_offset = -s $node->logfile;
 $node->safe_psql('postgres', q{
 	BEGIN;
 	INSERT INTO idempotency.keys (scope, key, attempt, ttl, created_at, expires_at, status_code)

@@ -80,6 +80,7 @@ typedef struct KnownDatabase
 	TimestampTz started_at;
 	TimestampTz restart_after;	/* not before: it stopped recently */
 	int			restart_delay_ms;
+	uint32		generation;		/* the slot's extension_generation at start */
 	bool		present;		/* in the latest look at pg_database */
 	bool		warned;			/* we said we cannot serve it */
 } KnownDatabase;
@@ -211,7 +212,7 @@ scan_databases(void)
 }
 
 static void
-start_worker(KnownDatabase *db, TimestampTz now)
+start_worker(KnownDatabase *db, IdemDatabaseSlot *slot, TimestampTz now)
 {
 	BackgroundWorker worker;
 
@@ -239,6 +240,48 @@ start_worker(KnownDatabase *db, TimestampTz now)
 		return;
 	}
 	db->started_at = now;
+	LWLockAcquire(idem_shmem_lock(), LW_SHARED);
+	db->generation = slot->extension_generation;
+	LWLockRelease(idem_shmem_lock());
+}
+
+/*
+ * The worker we started has stopped.  One that left because the extension
+ * is not (or no longer, or not yet again) installed did what it should: the
+ * next CREATE EXTENSION starts another at once.  Any other stop (SIGTERM, an
+ * ERROR, a crash) is delayed, the delay doubling while the workers keep
+ * stopping within a minute of their start.
+ */
+static void
+worker_stopped(KnownDatabase *db, TimestampTz now)
+{
+	IdemDatabaseSlot *slot = idem_database_slot(db->dboid, false);
+	bool		left_for_no_extension = false;
+
+	pfree(db->handle);
+	db->handle = NULL;
+	if (slot != NULL)
+	{
+		LWLockAcquire(idem_shmem_lock(), LW_SHARED);
+		left_for_no_extension = slot->extension_absent ||
+			slot->extension_generation != db->generation;
+		LWLockRelease(idem_shmem_lock());
+	}
+	if (left_for_no_extension)
+	{
+		db->restart_after = 0;
+		db->restart_delay_ms = RESTART_DELAY_MIN_MS;
+		return;
+	}
+
+	/* a worker that ran a good while earns a prompt restart */
+	if (TimestampDifferenceExceeds(db->started_at, now, RESTART_DELAY_MAX_MS))
+		db->restart_delay_ms = RESTART_DELAY_MIN_MS;
+	db->restart_after = TimestampTzPlusMilliseconds(now, db->restart_delay_ms);
+	ereport(LOG,
+			(errmsg("idempotency: the worker for database \"%s\" stopped; the next starts in %d ms",
+					db->name, db->restart_delay_ms)));
+	db->restart_delay_ms = Min(db->restart_delay_ms * 2, RESTART_DELAY_MAX_MS);
 }
 
 /*
@@ -262,15 +305,7 @@ tend_databases(void)
 
 		if (db->handle != NULL &&
 			GetBackgroundWorkerPid(db->handle, &pid) == BGWH_STOPPED)
-		{
-			pfree(db->handle);
-			db->handle = NULL;
-			/* a worker that ran a good while earns a prompt restart */
-			if (TimestampDifferenceExceeds(db->started_at, now, RESTART_DELAY_MAX_MS))
-				db->restart_delay_ms = RESTART_DELAY_MIN_MS;
-			db->restart_after = TimestampTzPlusMilliseconds(now, db->restart_delay_ms);
-			db->restart_delay_ms = Min(db->restart_delay_ms * 2, RESTART_DELAY_MAX_MS);
-		}
+			worker_stopped(db, now);
 
 		if (!db->present)
 		{
@@ -305,7 +340,7 @@ tend_databases(void)
 		 */
 		if (absent || worker_pid != 0 || paused_until > now || db->restart_after > now)
 			continue;
-		start_worker(db, now);
+		start_worker(db, slot, now);
 	}
 
 	/*
