@@ -563,6 +563,9 @@ CREATE FUNCTION idempotency._outbox_acknowledge(p_ids bigint[], p_attempts integ
 RETURNS integer
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
 SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_sort = off
+SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	now_ts timestamptz := clock_timestamp();
@@ -721,6 +724,9 @@ CREATE FUNCTION idempotency._outbox_nack(p_id bigint, p_error text, p_attempt in
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
 SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_sort = off
+SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	now_ts timestamptz := clock_timestamp();
@@ -806,6 +812,9 @@ CREATE OR REPLACE FUNCTION idempotency.idem_outbox_requeue(id bigint)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE
 SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_sort = off
+SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
 	IF $1 IS NULL THEN
@@ -828,6 +837,9 @@ CREATE OR REPLACE FUNCTION idempotency.idem_outbox_discard(id bigint)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE CALLED ON NULL INPUT PARALLEL UNSAFE
 SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_sort = off
+SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
 	IF $1 IS NULL THEN

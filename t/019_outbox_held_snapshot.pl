@@ -191,5 +191,47 @@ $purged = $node->safe_psql('postgres', q{
 is($purged, '3000 0',
 	'the purge of published rows deletes them all without a scan of the whole outbox');
 
+# Publishing's statements that find rows by id (the delete of a batch's
+# rows, above all) are planned once, generic, under the walk's settings:
+# planned while the outbox was nearly empty (a vacuum truncates it when
+# publishing keeps up) and left to plancache.c, the delete's plan kept by
+# the worker was a sequential scan, and read the whole table at each batch
+# once a backlog came in.  The worker's data path run by
+# idem_run_maintenance in one connection, whose plans it keeps (the worker
+# taken off idempotency.databases meanwhile): ten batches of two rows on
+# the truncated table, then one of $batch with 2,000 rows in the outbox.
+$node->safe_psql('postgres', q{
+	ALTER SYSTEM SET idempotency.databases = 'template1';
+	SELECT pg_reload_conf();
+});
+$node->poll_query_until('postgres',
+	"SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency worker'")
+  or die 'the worker did not leave';
+$node->safe_psql('postgres', q{
+	DELETE FROM idempotency.outbox;
+	VACUUM idempotency.outbox;
+});
+my $scans = $node->safe_psql('postgres', q{
+	DO $$
+	BEGIN
+		FOR g IN 1 .. 10 LOOP
+			PERFORM idempotency.idem_outbox_enqueue_batch('held',
+				array_fill(('{"small": ' || g || '}')::jsonb, ARRAY[2]));
+			IF (SELECT published FROM idempotency.idem_run_maintenance()) <> 2 THEN
+				RAISE EXCEPTION 'batch %: not 2 rows published', g;
+			END IF;
+		END LOOP;
+	END $$;
+	SELECT count(*) FROM idempotency.idem_outbox_enqueue_batch('held',
+		array_fill('{"n": 1}'::jsonb, ARRAY[2000]));
+	BEGIN;
+	SELECT pg_stat_get_xact_numscans('idempotency.outbox'::regclass) AS before \gset
+	SELECT published || ' ' || pg_stat_get_xact_numscans('idempotency.outbox'::regclass) - :before
+	FROM idempotency.idem_run_maintenance();
+	COMMIT;
+});
+is((split /\n/, $scans)[-1], "$batch 0",
+	'a batch published from a backlog, planned on a small outbox, scans no whole table');
+
 $node->stop;
 done_testing();
