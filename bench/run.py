@@ -624,14 +624,18 @@ def bench_cold_relay(cluster, summary):
         conn.prepare_threshold = None
         return conn
 
+    acks = []
+
     def fetch(conn, sql=COLD_FETCH):
         start = time.perf_counter()
         rows = conn.execute(sql).fetchall()
         took = (time.perf_counter() - start) * 1000
         if len(rows) != 100:
             raise SystemExit(f"a cold-relay fetch returned {len(rows)} rows: {sql}")
+        start = time.perf_counter()
         acked = conn.execute("SELECT idempotency.idem_outbox_ack(%s::bigint[], %s::int[])",
                              ([r[0] for r in rows], [r[1] for r in rows])).fetchone()[0]
+        acks.append((time.perf_counter() - start) * 1000)
         if acked != 100:
             raise SystemExit(f"a cold-relay ack took {acked} of 100 rows: {sql}")
         return took
@@ -657,6 +661,7 @@ def bench_cold_relay(cluster, summary):
     cluster.psql("VACUUM (ANALYZE) idempotency.outbox")
     cluster.psql("CHECKPOINT")
     steady = steady_fetch()
+    steady_ack = statistics.median(acks[-50:])
     # each of ten new connections: its first five fetches
     fresh = []
     for _ in range(10):
@@ -694,6 +699,19 @@ def bench_cold_relay(cluster, summary):
             stale.append([fetch(conn) for _ in range(5)])
     with connect() as conn:
         kept = [fetch(conn) for _ in range(30)][10:]
+    # a connection whose acks were planned on a nearly empty outbox, then
+    # the backlog: its acks 11 to 30 (the plans it keeps)
+    cluster.psql("TRUNCATE idempotency.outbox")
+    cluster.psql("VACUUM ANALYZE idempotency.outbox")
+    with connect() as small:
+        for _ in range(10):
+            fill_cold(cluster, 100)
+            fetch(small)
+        fill_cold(cluster, COLD_ROWS)
+        del acks[:]
+        for _ in range(30):
+            fetch(small)
+        acks_kept_small = statistics.median(acks[10:])
     # a single call's time is at the mercy of the machine's other work:
     # the median over the new connections of each
     ratios = {"new connection, first fetch": statistics.median(f[0] for f in fresh) / steady,
@@ -710,6 +728,10 @@ def bench_cold_relay(cluster, summary):
               flush=True)
     print(f"(a new connection's first fetch of an empty topic: {statistics.median(empty):.2f} ms:"
           " the backend's own start, whatever the backlog)", flush=True)
+    print(f"(the ack of the 100 rows fetched: steady {steady_ack:.2f} ms; on a connection that"
+          f" acknowledged its first rows on a nearly empty outbox, its acks 11-30 once the backlog"
+          f" had come in: {acks_kept_small:.2f} ms, {acks_kept_small / steady_ack:.2f}x)", flush=True)
+    summary["cold_ack_planned_small_vs_steady"] = round(acks_kept_small / steady_ack, 2)
     plain_ratio = statistics.median(plain_first) / plain_steady
     print(f"(the plain-SQL reference, one statement leasing the 100 oldest pending rows of the"
           f" same table: steady {plain_steady:.2f} ms, a new connection's first"
