@@ -14,8 +14,10 @@ ALTER TABLE outbox SET (autovacuum_enabled = off);
 -- the rows are for a relay, whatever the default route
 SELECT idem_outbox_route('plan', 'none'), idem_outbox_route('plan-keys', 'none');
 
-CREATE FUNCTION public.fetch_reads(topic text, batch integer, per_key integer DEFAULT 1,
-								   OUT ids bigint[], OUT seq_scans bigint, OUT index_entries bigint)
+-- what a statement read of the outbox: its sequential scans and the index
+-- entries it was given, from the transaction's own counters
+CREATE FUNCTION public.outbox_reads(statement text,
+									OUT result text, OUT seq_scans bigint, OUT index_entries bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
 	scans_before bigint;
@@ -25,13 +27,20 @@ BEGIN
 		   sum(pg_stat_get_xact_tuples_returned(indexrelid))
 	INTO scans_before, entries_before
 	FROM pg_index WHERE indrelid = 'idempotency.outbox'::regclass;
-	SELECT array_agg(f.id ORDER BY f.id) INTO ids
-	FROM idempotency.idem_outbox_fetch(topic, batch, '1 hour', per_key) f;
+	EXECUTE statement INTO result;
 	SELECT pg_stat_get_xact_numscans('idempotency.outbox'::regclass) - scans_before,
 		   sum(pg_stat_get_xact_tuples_returned(indexrelid)) - entries_before
 	INTO seq_scans, index_entries
 	FROM pg_index WHERE indrelid = 'idempotency.outbox'::regclass;
 END $$;
+CREATE FUNCTION public.fetch_reads(topic text, batch integer, per_key integer DEFAULT 1,
+								   OUT ids bigint[], OUT seq_scans bigint, OUT index_entries bigint)
+LANGUAGE sql AS $$
+	SELECT r.result::bigint[], r.seq_scans, r.index_entries
+	FROM public.outbox_reads(format('SELECT array_agg(f.id ORDER BY f.id)'
+									' FROM idempotency.idem_outbox_fetch(%L, %s, %L, %s) f',
+									topic, batch, '1 hour', per_key)) r
+$$;
 
 -- A backlog of 2,000 rows, 500 keys, with statistics that say so: a new
 -- connection's first fetch (planned for its topic, it read and sorted the
@@ -108,21 +117,11 @@ RESET plan_cache_mode;
 -- statements, the same way: t/019, where no worker races the test.)
 CREATE FUNCTION public.ack_reads(ids bigint[], attempts integer[],
 								 OUT acked integer, OUT seq_scans bigint, OUT index_entries bigint)
-LANGUAGE plpgsql AS $$
-DECLARE
-	scans_before bigint;
-	entries_before bigint;
-BEGIN
-	SELECT pg_stat_get_xact_numscans('idempotency.outbox'::regclass),
-		   sum(pg_stat_get_xact_tuples_returned(indexrelid))
-	INTO scans_before, entries_before
-	FROM pg_index WHERE indrelid = 'idempotency.outbox'::regclass;
-	acked := idempotency.idem_outbox_ack(ids, attempts);
-	SELECT pg_stat_get_xact_numscans('idempotency.outbox'::regclass) - scans_before,
-		   sum(pg_stat_get_xact_tuples_returned(indexrelid)) - entries_before
-	INTO seq_scans, index_entries
-	FROM pg_index WHERE indrelid = 'idempotency.outbox'::regclass;
-END $$;
+LANGUAGE sql AS $$
+	SELECT r.result::integer, r.seq_scans, r.index_entries
+	FROM public.outbox_reads(format('SELECT idempotency.idem_outbox_ack(%L::bigint[], %L::integer[])',
+									ids, attempts)) r
+$$;
 TRUNCATE outbox;
 VACUUM ANALYZE outbox;
 \c
@@ -150,6 +149,7 @@ FROM (SELECT array_agg(id) AS ids, array_agg(attempts) AS attempts
 
 DROP FUNCTION public.ack_reads(bigint[], integer[]);
 DROP FUNCTION public.fetch_reads(text, integer, integer);
+DROP FUNCTION public.outbox_reads(text);
 TRUNCATE outbox;
 DELETE FROM outbox_routes WHERE topic IN ('plan', 'plan-keys');
 ALTER TABLE outbox RESET (autovacuum_enabled);
