@@ -699,14 +699,18 @@ def bench_cold_relay(cluster, summary):
             stale.append([fetch(conn) for _ in range(5)])
     with connect() as conn:
         kept = [fetch(conn) for _ in range(30)][10:]
-    # a connection whose acks were planned on a nearly empty outbox, then
-    # the backlog: its acks 11 to 30 (the plans it keeps)
+    # a connection whose acks were planned on a nearly empty outbox (ten
+    # acks of two rows), then the backlog: its acks 11 to 30 (the plans it
+    # keeps)
     cluster.psql("TRUNCATE idempotency.outbox")
     cluster.psql("VACUUM ANALYZE idempotency.outbox")
     with connect() as small:
         for _ in range(10):
-            fill_cold(cluster, 100)
-            fetch(small)
+            cluster.psql("SELECT count(*) FROM idempotency.idem_outbox_enqueue_batch('cold',"
+                         f" array_fill('{BENCH_PAYLOAD}'::jsonb, ARRAY[2]))")
+            rows = small.execute("SELECT id, attempts FROM idempotency.idem_outbox_fetch('cold', 2)").fetchall()
+            small.execute("SELECT idempotency.idem_outbox_ack(%s::bigint[], %s::int[])",
+                          ([r[0] for r in rows], [r[1] for r in rows]))
         fill_cold(cluster, COLD_ROWS)
         del acks[:]
         for _ in range(30):
