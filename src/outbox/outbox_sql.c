@@ -383,13 +383,11 @@ typedef struct StatementDef
  * the same entries as these plans now do, and save the executor's share
  * of a fetch only, where issue 29 keeps a bypass of the executor only if
  * it earns 1.2 times the kept plan on a make bench line.
- */
-#define FETCH_PLAN .plan = IDEM_PLAN_GENERIC, .walk_in_order = true
-
-/*
- * The statements that find their rows by id (the ack's, nack, requeue,
- * discard, and publishing's writes of a batch's rows): one generic plan
- * too, under walk_in_order, which leaves them the primary key (and, for
+ *
+ * The same (WALK_PLAN) for the statements that find their rows by id (the
+ * ack's, nack, requeue, discard, and publishing's writes of a batch's
+ * rows), and for publishing's walks and its purge: one generic plan,
+ * under walk_in_order, which leaves them the primary key (and, for
  * the ack's order check and the nack's put-back, the walks of outbox_ready
  * and outbox_key_order by topic and key).  Left to plancache.c, a plan
  * made while the outbox was nearly empty (just after a vacuum truncated
@@ -399,7 +397,7 @@ typedef struct StatementDef
  * (pg_stat_user_tables.seq_scan one per batch), and a relay's ack of 100
  * rows taking 10 ms against 0.6 ms once 100,000 rows had come in.
  */
-#define BY_ID_PLAN .plan = IDEM_PLAN_GENERIC, .walk_in_order = true
+#define WALK_PLAN .plan = IDEM_PLAN_GENERIC, .walk_in_order = true
 
 static const StatementDef statements[NUM_STATEMENTS] = {
 	/*
@@ -423,7 +421,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		" FROM idempotency.outbox o"
 		" WHERE " ONE_TOPIC("$1") " AND o.state <> 'published' AND o.published_at IS NULL"
 		" ORDER BY o.topic, o.id",
-		FETCH_NARGS, FETCH_ARGTYPES, FETCH_PLAN
+		FETCH_NARGS, FETCH_ARGTYPES, WALK_PLAN
 	},
 
 	/*
@@ -435,7 +433,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 */
 	[STMT_FETCH_HEADS] = {
 		FETCH_HEADS_SQL("o.failures + 1"),
-		FETCH_NARGS, FETCH_ARGTYPES, FETCH_PLAN
+		FETCH_NARGS, FETCH_ARGTYPES, WALK_PLAN
 	},
 
 	/*
@@ -447,7 +445,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 */
 	[STMT_FETCH_FOLLOWERS] = {
 		FETCH_FOLLOWERS_SQL("o.failures + 1"),
-		FETCH_NARGS, FETCH_ARGTYPES, FETCH_PLAN
+		FETCH_NARGS, FETCH_ARGTYPES, WALK_PLAN
 	},
 
 	/*
@@ -461,7 +459,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		FETCH_LEASE_SQL("o.failures + 1",
 						"      failures = CASE WHEN o.state = 'leased' THEN o.failures + 1"
 						"                      ELSE o.failures END,"),
-		FETCH_NARGS, FETCH_ARGTYPES, FETCH_PLAN
+		FETCH_NARGS, FETCH_ARGTYPES, WALK_PLAN
 	},
 
 	/*
@@ -474,12 +472,12 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	[STMT_ACK_CHECK] = {
 		ACK_BLOCKING(NO_FENCE) "SELECT o.id, o.topic, o.key FROM idempotency.outbox o"
 		" WHERE " ACK_WHERE(NO_FENCE) " ORDER BY o.topic, o.key, o.id",
-		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, BY_ID_PLAN
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, WALK_PLAN
 	},
 	[STMT_ACK_FENCED_CHECK] = {
 		ACK_BLOCKING(ACK_FENCE) "SELECT o.id, o.topic, o.key FROM idempotency.outbox o"
 		" WHERE " ACK_WHERE(ACK_FENCE) " ORDER BY o.topic, o.key, o.id",
-		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, BY_ID_PLAN
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, WALK_PLAN
 	},
 
 	/*
@@ -495,12 +493,12 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	[STMT_ACK_HOLD] = {
 		"SELECT o.id FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(NO_FENCE)
 		" ORDER BY o.id FOR UPDATE OF o",
-		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, BY_ID_PLAN
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, WALK_PLAN
 	},
 	[STMT_ACK_FENCED_HOLD] = {
 		"SELECT o.id FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(ACK_FENCE)
 		" ORDER BY o.id FOR UPDATE OF o",
-		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, BY_ID_PLAN
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, WALK_PLAN
 	},
 
 	/*
@@ -511,21 +509,21 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 */
 	[STMT_ACK_CHECKED_DELETE] = {
 		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(NO_FENCE),
-		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, BY_ID_PLAN
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, WALK_PLAN
 	},
 	[STMT_ACK_CHECKED_KEEP] = {
 		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
 		" WHERE " ACK_CHECKED_WHERE(NO_FENCE),
-		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, BY_ID_PLAN
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, WALK_PLAN
 	},
 	[STMT_ACK_CHECKED_FENCED_DELETE] = {
 		"DELETE FROM idempotency.outbox o WHERE " ACK_CHECKED_WHERE(ACK_FENCE),
-		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, BY_ID_PLAN
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, WALK_PLAN
 	},
 	[STMT_ACK_CHECKED_FENCED_KEEP] = {
 		"UPDATE idempotency.outbox o SET state = 'published', published_at = $2"
 		" WHERE " ACK_CHECKED_WHERE(ACK_FENCE),
-		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, BY_ID_PLAN
+		4, {INT8ARRAYOID, TIMESTAMPTZOID, INT4ARRAYOID, INT8ARRAYOID}, WALK_PLAN
 	},
 
 	/*
@@ -534,20 +532,20 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 */
 	[STMT_NACK] = {
 		NACK_SQL(""),
-		7, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID, INT4OID}, BY_ID_PLAN
+		7, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID, INT4OID}, WALK_PLAN
 	},
 	[STMT_NACK_FENCED] = {
 		NACK_SQL(" AND attempts = $7"),
-		7, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID, INT4OID}, BY_ID_PLAN
+		7, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID, INT4OID}, WALK_PLAN
 	},
 
 	[STMT_REQUEUE] = {
 		REQUEUE_SQL("failures = 0"),
-		2, {INT8OID, TIMESTAMPTZOID}, BY_ID_PLAN
+		2, {INT8OID, TIMESTAMPTZOID}, WALK_PLAN
 	},
 	[STMT_DISCARD] = {
 		"DELETE FROM idempotency.outbox WHERE id = $1 AND state = 'dead'",
-		1, {INT8OID}, BY_ID_PLAN
+		1, {INT8OID}, WALK_PLAN
 	},
 	/*
 	 * A new pending row, its id given (idem_outbox_next_id), and the rows of
@@ -583,7 +581,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * backlog), or the topics routed to none, when there is one.
 	 *
 	 * The topic's walk is one generic plan, as the pull API's statements
-	 * (FETCH_PLAN): under walk_in_order it is the walk of outbox_ready from
+	 * (WALK_PLAN): under walk_in_order it is the walk of outbox_ready from
 	 * ($3, $4), whatever the statistics.  A plan for each batch cost more
 	 * than the batch: planning "o.id > $4" for a value past the statistics'
 	 * histogram makes the planner look up the actual ends of the id column
@@ -594,7 +592,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 */
 	[STMT_PUBLISH_CANDIDATES_TOPIC] = {
 		PUBLISH_CANDIDATES_SQL(ONE_TOPIC("$3") " AND o.id > $4", "o.topic, o.id"),
-		4, {TIMESTAMPTZOID, INT4OID, TEXTOID, INT8OID}, IDEM_PLAN_GENERIC, true
+		4, {TIMESTAMPTZOID, INT4OID, TEXTOID, INT8OID}, WALK_PLAN
 	},
 	/*
 	 * Not walk_in_order: the only index in id order across topics is
@@ -609,7 +607,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	/* one row, by id ($3), if it is still a candidate (see outbox_publish_row) */
 	[STMT_PUBLISH_CANDIDATE_ROW] = {
 		PUBLISH_CANDIDATES_SQL("o.id = $3", "o.id"),
-		3, {TIMESTAMPTZOID, INT4OID, INT8OID}, BY_ID_PLAN
+		3, {TIMESTAMPTZOID, INT4OID, INT8OID}, WALK_PLAN
 	},
 	/*
 	 * Where a round of the worker starts its walk of a topic ($1): the
@@ -622,7 +620,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		" WHERE " ONE_TOPIC("$1") " AND o.id > $2"
 		"   AND o.state IN ('pending', 'leased') AND o.published_at IS NULL"
 		" ORDER BY o.topic, o.id LIMIT 1",
-		2, {TEXTOID, INT8OID}, IDEM_PLAN_GENERIC, true
+		2, {TEXTOID, INT8OID}, WALK_PLAN
 	},
 	[STMT_ROUTES] = {
 		"SELECT topic, target <> 'none' AS routed FROM idempotency.outbox_routes",
@@ -630,13 +628,13 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	},
 	[STMT_MARK_PUBLISHED_DELETE] = {
 		"DELETE FROM idempotency.outbox WHERE id = ANY ($1)",
-		1, {INT8ARRAYOID}, BY_ID_PLAN
+		1, {INT8ARRAYOID}, WALK_PLAN
 	},
 	[STMT_MARK_PUBLISHED_KEEP] = {
 		"UPDATE idempotency.outbox"
 		" SET state = 'published', published_at = $2, attempts = attempts + 1"
 		" WHERE id = ANY ($1)",
-		2, {INT8ARRAYOID, TIMESTAMPTZOID}, BY_ID_PLAN
+		2, {INT8ARRAYOID, TIMESTAMPTZOID}, WALK_PLAN
 	},
 	/*
 	 * The rows whose NOTIFY went out truncated (a reference the listener
@@ -652,7 +650,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		" SET state = 'published', published_at = $2, attempts = attempts + 1,"
 		"     available_at = 'infinity'"
 		" WHERE id = ANY ($1)",
-		2, {INT8ARRAYOID, TIMESTAMPTZOID}, BY_ID_PLAN
+		2, {INT8ARRAYOID, TIMESTAMPTZOID}, WALK_PLAN
 	},
 	/*
 	 * $1 id, $2 error, $3 now, $4 max attempts, $5 backoff min, $6 backoff
@@ -663,7 +661,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 */
 	[STMT_PUBLISH_FAILED] = {
 		PUBLISH_FAILED_SQL("failures + 1", "      failures = failures + 1,"),
-		6, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID}, BY_ID_PLAN
+		6, {INT8OID, TEXTOID, TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID}, WALK_PLAN
 	},
 	/*
 	 * $1 published before (outbox_retention), $2 batch size, $3 published
@@ -685,7 +683,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		"  WHERE state = 'published' AND published_at <= $1"
 		"    AND (published_at <= $3 OR available_at <> 'infinity')"
 		"  ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED))",
-		3, {TIMESTAMPTZOID, INT4OID, TIMESTAMPTZOID}, IDEM_PLAN_GENERIC, true
+		3, {TIMESTAMPTZOID, INT4OID, TIMESTAMPTZOID}, WALK_PLAN
 	},
 };
 

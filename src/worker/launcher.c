@@ -212,7 +212,7 @@ scan_databases(void)
 }
 
 static void
-start_worker(KnownDatabase *db, IdemDatabaseSlot *slot, TimestampTz now)
+start_worker(KnownDatabase *db, uint32 generation, TimestampTz now)
 {
 	BackgroundWorker worker;
 
@@ -240,9 +240,7 @@ start_worker(KnownDatabase *db, IdemDatabaseSlot *slot, TimestampTz now)
 		return;
 	}
 	db->started_at = now;
-	LWLockAcquire(idem_shmem_lock(), LW_SHARED);
-	db->generation = slot->extension_generation;
-	LWLockRelease(idem_shmem_lock());
+	db->generation = generation;
 }
 
 /*
@@ -302,6 +300,7 @@ tend_databases(void)
 		bool		absent;
 		TimestampTz paused_until;
 		pid_t		worker_pid;
+		uint32		generation;
 
 		if (db->handle != NULL &&
 			GetBackgroundWorkerPid(db->handle, &pid) == BGWH_STOPPED)
@@ -332,6 +331,7 @@ tend_databases(void)
 		absent = slot->extension_absent;
 		paused_until = slot->paused_until;
 		worker_pid = slot->worker_pid;
+		generation = slot->extension_generation;
 		LWLockRelease(idem_shmem_lock());
 
 		/*
@@ -340,7 +340,7 @@ tend_databases(void)
 		 */
 		if (absent || worker_pid != 0 || paused_until > now || db->restart_after > now)
 			continue;
-		start_worker(db, slot, now);
+		start_worker(db, generation, now);
 	}
 
 	/*
