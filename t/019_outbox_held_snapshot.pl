@@ -233,5 +233,71 @@ my $scans = $node->safe_psql('postgres', q{
 is((split /\n/, $scans)[-1], "$batch 0",
 	'a batch published from a backlog, planned on a small outbox, scans no whole table');
 
+# With a default route, the walk across the topics is the primary key's in
+# id order, which holds the published rows kept for outbox_retention as
+# well.  It is planned once, like the walks by topic, and starts each round
+# at the oldest unpublished row of any topic: left to a custom plan for
+# each batch, with statistics taken while the outbox held mostly published
+# rows, a batch read all of outbox_ready, probed each row's key and sorted
+# them; and a round began at the first entry, so that one with nothing to
+# publish read every published row kept.  The worker is still off: rounds
+# of idem_run_maintenance, each in a connection of its own, and the index
+# entries a round reads counted as above.
+my $spread = 700;
+# each batch in a transaction of its own, as the worker's
+sub publish_all
+{
+	1 while $node->safe_psql('postgres', q{
+		SET idempotency.outbox_retention = '1h';
+		SELECT published FROM idempotency.idem_run_maintenance();
+	}) > 0;
+}
+$node->safe_psql('postgres', qq{
+	DELETE FROM idempotency.outbox;
+	VACUUM idempotency.outbox;
+	SELECT idempotency.idem_outbox_route('*', 'notify', 'everything');
+	SELECT count(*) FROM generate_series(1, 3) t,
+		LATERAL idempotency.idem_outbox_enqueue_batch('spread' || t,
+			array_fill('{"n": 1}'::jsonb, ARRAY[$spread]));
+});
+publish_all();
+$node->safe_psql('postgres', 'ANALYZE idempotency.outbox');
+is($node->safe_psql('postgres',
+		"SELECT count(*) FROM idempotency.outbox WHERE state = 'published'"),
+	3 * $spread, 'the rows of three topics are published and kept');
+# a round of idem_run_maintenance: what it published, and the index
+# entries it read
+sub round_read
+{
+	return $node->safe_psql('postgres', q{
+		SET idempotency.outbox_retention = '1h';
+		BEGIN;
+		SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid)) AS before
+		FROM pg_index WHERE indrelid = 'idempotency.outbox'::regclass \gset
+		SELECT m.published || ' ' || (SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid)) - :before
+									   FROM pg_index WHERE indrelid = 'idempotency.outbox'::regclass)
+		FROM idempotency.idem_run_maintenance() m;
+		COMMIT;
+	});
+}
+$node->safe_psql('postgres', qq{
+	SELECT count(*) FROM generate_series(1, 3) t,
+		LATERAL idempotency.idem_outbox_enqueue_batch('spread' || t,
+			array_fill('{"n": 2}'::jsonb, ARRAY[$spread]));
+});
+my $full = round_read();
+# statistics that say most rows are pending, then none is
+$node->safe_psql('postgres', 'ANALYZE idempotency.outbox');
+publish_all();
+my $idle = round_read();
+diag("default route: a batch from the backlog: $full; a round with nothing left: $idle");
+my ($published, $read) = split / /, $full;
+is($published, $batch, 'a batch across the topics publishes a full batch');
+cmp_ok($read, '<=', 4 * $batch,
+	'a batch across the topics, planned on stale statistics, reads about its batch');
+($published, $read) = split / /, $idle;
+is($published, 0, 'then everything is published');
+cmp_ok($read, '<=', 50, 'a round with nothing to publish reads none of the kept rows');
+
 $node->stop;
 done_testing();

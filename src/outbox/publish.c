@@ -518,7 +518,11 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
  * - A round's first walk of a routed topic starts at the topic's oldest row
  *   that is pending or leased (STMT_PUBLISH_OLDEST), looked for after where
  *   the last round's was (round_starts): below it, every row was published,
- *   or dead, or not committed yet when the last round looked.
+ *   or dead, or not committed yet when the last round looked.  The walk
+ *   across the topics starts at the oldest such row of any topic not
+ *   routed to none (STMT_PUBLISH_OLDEST_EXCEPT): its index, the primary
+ *   key, holds the published rows kept for outbox_retention as well, and
+ *   from its first entry each round would read them all.
  *
  * - A commit that enqueues or requeues rows tells the worker the smallest of
  *   their ids (idem_take_enqueued_from), which it takes before each batch's
@@ -621,32 +625,36 @@ before_batch(MaintenanceCursor *cursor, bool round_begins)
 	lower_points(cursor->round_starts, from);
 }
 
-/* Where this batch's walk of topic goes on (see above). */
+/*
+ * Where this batch's walk of topic goes on (see above); for "", the walk
+ * across the topics but unrouted, those routed to none.
+ */
 static int64
-walk_after(MaintenanceCursor *cursor, const char *topic)
+walk_after(MaintenanceCursor *cursor, const char *topic, Datum unrouted)
 {
 	WalkPoint  *point = find_point(cursor->walked, cursor->outbox_shard, topic);
 	Datum		values[2];
+	bool		across = topic[0] == '\0';
 
 	if (point != NULL)
 		return point->after;
-	if (topic[0] == '\0')
-		return PG_INT64_MIN;
 
 	/* the round's first walk of the topic */
 	point = find_point(cursor->round_starts, cursor->outbox_shard, topic);
 	if (point == NULL)
 		point = add_point(cursor, &cursor->round_starts, topic, PG_INT64_MIN);
-	values[0] = CStringGetTextDatum(topic);
+	values[0] = across ? unrouted : CStringGetTextDatum(topic);
 	values[1] = Int64GetDatum(point->after);
-	if (outbox_sql_run(STMT_PUBLISH_OLDEST, values, NULL) == 1)
+	if (outbox_sql_run(across ? STMT_PUBLISH_OLDEST_EXCEPT : STMT_PUBLISH_OLDEST,
+					   values, NULL) == 1)
 	{
 		bool		isnull;
-		int64		oldest = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
-														 SPI_tuptable->tupdesc, 1,
-														 &isnull));
+		Datum		oldest = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1,
+										   &isnull);
 
-		point->after = oldest - 1;
+		/* the walk across the topics finds nothing only in an empty outbox */
+		if (!isnull)
+			point->after = DatumGetInt64(oldest) - 1;
 	}
 	return point->after;
 }
@@ -736,10 +744,11 @@ outbox_publish_batch(Oid shard, TimestampTz now, int limit, bool careful,
 		values[1] = Int32GetDatum(limit);
 		if (routes.default_routed)
 		{
-			int64		after = walk_after(cursor, "");
+			Datum		none = PointerGetDatum(construct_array(unrouted, nunrouted, TEXTOID,
+															   -1, false, TYPALIGN_INT));
+			int64		after = walk_after(cursor, "", none);
 
-			values[2] = PointerGetDatum(construct_array(unrouted, nunrouted, TEXTOID,
-														-1, false, TYPALIGN_INT));
+			values[2] = none;
 			values[3] = Int64GetDatum(after);
 			copy_candidates(outbox_sql_run(STMT_PUBLISH_CANDIDATES_EXCEPT, values, NULL),
 							&list);
@@ -751,7 +760,7 @@ outbox_publish_batch(Oid shard, TimestampTz now, int limit, bool careful,
 			{
 				const char *topic = TextDatumGetCString(routed[t]);
 				uint64		first = list.count;
-				int64		after = walk_after(cursor, topic);
+				int64		after = walk_after(cursor, topic, (Datum) 0);
 
 				values[2] = routed[t];
 				values[3] = Int64GetDatum(after);
