@@ -974,6 +974,7 @@ DECLARE
 	walk_settings constant text[] := ARRAY['enable_seqscan', 'enable_bitmapscan', 'enable_sort',
 										   'enable_hashjoin', 'enable_mergejoin', 'jit', 'plan_cache_mode'];
 	saved text[];
+	from_id bigint;
 	max_attempts integer;
 	backoff_min integer;
 	backoff_max integer;
@@ -990,6 +991,10 @@ BEGIN
 		RETURN;
 	END IF;
 
+	/* planned to walk the indexes in order, as the C edition plans it */
+	saved := ARRAY(SELECT current_setting(s) FROM unnest(walk_settings) AS s);
+	PERFORM set_config(s, CASE WHEN s = 'plan_cache_mode' THEN 'force_custom_plan' ELSE 'off' END, true)
+	FROM unnest(walk_settings) AS s;
 	IF only_ids IS NOT NULL THEN
 		/* STMT_PUBLISH_CANDIDATE_ROW, for the rows given */
 		SELECT array_agg(c.id ORDER BY c.id), array_agg(c.event ORDER BY c.id), array_agg(c.target ORDER BY c.id),
@@ -1028,6 +1033,32 @@ BEGIN
 			WHERE r.target IN ('notify', 'logical')
 			ORDER BY p.id) AS c;
 	ELSIF routes.default_routed THEN
+		/*
+		 * STMT_PUBLISH_OLDEST_EXCEPT: where the walk across the topics
+		 * starts, past the published rows kept at the front of the primary
+		 * key (a loose index scan of outbox_ready, one descent per topic)
+		 */
+		WITH RECURSIVE topics(topic) AS (
+		  (SELECT o.topic FROM idempotency.outbox o
+		   WHERE o.state IN ('pending', 'leased') AND o.published_at IS NULL
+		   ORDER BY o.topic LIMIT 1)
+		  UNION ALL
+		  SELECT (SELECT o.topic FROM idempotency.outbox o
+				  WHERE o.topic > t.topic
+					AND o.state IN ('pending', 'leased') AND o.published_at IS NULL
+				  ORDER BY o.topic LIMIT 1)
+		  FROM topics t WHERE t.topic IS NOT NULL
+		), oldest(id) AS (
+		  SELECT min(f.id) FROM topics t
+		  CROSS JOIN LATERAL (SELECT o.id FROM idempotency.outbox o
+							  WHERE o.topic >= t.topic AND o.topic <= t.topic
+								AND o.state IN ('pending', 'leased') AND o.published_at IS NULL
+							  ORDER BY o.topic, o.id LIMIT 1) f
+		  WHERE t.topic <> ALL (routes.unrouted)
+		)
+		SELECT coalesce(oldest.id, (SELECT o.id + 1 FROM idempotency.outbox o
+									ORDER BY o.id DESC LIMIT 1))
+		INTO from_id FROM oldest;
 		/* STMT_PUBLISH_CANDIDATES_EXCEPT */
 		SELECT array_agg(c.id ORDER BY c.id), array_agg(c.event ORDER BY c.id), array_agg(c.target ORDER BY c.id),
 			   array_agg(c.destination ORDER BY c.id), array_agg(c.run_as ORDER BY c.id),
@@ -1039,7 +1070,7 @@ BEGIN
 			  SELECT o AS event, o.id, o.topic, o.key, o.payload, o.headers, o.created_at
 			  FROM idempotency.outbox o
 			  WHERE o.state = 'pending' AND o.published_at IS NULL AND o.available_at <= now_ts
-				AND o.topic <> ALL (routes.unrouted)
+				AND o.topic <> ALL (routes.unrouted) AND o.id >= from_id
 				AND NOT EXISTS (SELECT FROM idempotency.outbox e
 								WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id
 								  AND e.state <> 'published' AND e.published_at IS NULL
@@ -1065,10 +1096,6 @@ BEGIN
 			WHERE r.target <> 'none'
 			ORDER BY p.id) AS c;
 	ELSE
-		/* planned to walk outbox_ready in order, as the C edition plans it */
-		saved := ARRAY(SELECT current_setting(s) FROM unnest(walk_settings) AS s);
-		PERFORM set_config(s, CASE WHEN s = 'plan_cache_mode' THEN 'force_custom_plan' ELSE 'off' END, true)
-		FROM unnest(walk_settings) AS s;
 		FOREACH t IN ARRAY routes.routed LOOP
 			/* STMT_PUBLISH_CANDIDATES_TOPIC */
 			SELECT ids || array_agg(c.id ORDER BY c.id), events || array_agg(c.event ORDER BY c.id),
@@ -1107,8 +1134,8 @@ BEGIN
 				WHERE r.target <> 'none'
 				ORDER BY p.id) AS c;
 		END LOOP;
-		PERFORM set_config(s.name, s.value, true) FROM unnest(walk_settings, saved) AS s(name, value);
 	END IF;
+	PERFORM set_config(s.name, s.value, true) FROM unnest(walk_settings, saved) AS s(name, value);
 	ids := coalesce(ids, '{}');
 	looked := cardinality(ids);
 

@@ -76,3 +76,58 @@ DROP OWNED BY idem_router;
 DROP ROLE idem_router;
 DROP TABLE public.sink;
 DROP FUNCTION public.forward(idempotency.outbox);
+
+-- A default route: the walk across the topics is the primary key's, which
+-- holds the published rows kept for outbox_retention as well.  It is
+-- planned to walk in order from the oldest unpublished row of any topic (a
+-- loose index scan of outbox_ready), as the C edition's worker walks it:
+-- with statistics taken while most rows were published and kept, a batch
+-- reads about its rows, not the backlog (before: every pending row, probed
+-- and sorted); and a round with nothing to publish reads none of the kept
+-- rows (before: all of them).  Index entries read, counted in the
+-- transaction.
+SET ROLE idem_owner;
+CREATE TABLE public.kept (id bigint);
+CREATE FUNCTION public.keep(event idempotency.outbox) RETURNS void LANGUAGE sql
+	AS 'INSERT INTO public.kept VALUES (event.id)';
+SELECT idem_outbox_route('*', 'function', 'public.keep');
+RESET ROLE;
+CREATE FUNCTION public.round_reads(OUT published bigint, OUT index_entries bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+	before bigint;
+BEGIN
+	SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid)) INTO before
+	FROM pg_index WHERE indrelid = 'idempotency.outbox'::regclass;
+	SELECT m.published INTO published FROM idempotency.idem_run_maintenance() m;
+	SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid)) - before INTO index_entries
+	FROM pg_index WHERE indrelid = 'idempotency.outbox'::regclass;
+END $$;
+SET idempotency.outbox_retention = '1h';
+SELECT count(*) AS enqueued FROM generate_series(1, 3) t,
+	LATERAL idem_outbox_enqueue_batch('spread' || t, array_fill('{"n": 1}'::jsonb, ARRAY[700]));
+-- each batch in a transaction of its own
+\set ECHO none
+\o /dev/null
+SELECT 'SELECT published FROM idem_run_maintenance()' FROM generate_series(1, 22) \gexec
+\o
+\set ECHO all
+SELECT count(*) AS published_and_kept FROM outbox WHERE state = 'published';
+ANALYZE outbox;
+SELECT count(*) AS enqueued FROM generate_series(1, 3) t,
+	LATERAL idem_outbox_enqueue_batch('spread' || t, array_fill('{"n": 2}'::jsonb, ARRAY[700]));
+SELECT published, index_entries <= 400 AS reads_about_its_batch FROM round_reads();
+ANALYZE outbox;
+\set ECHO none
+\o /dev/null
+SELECT 'SELECT published FROM idem_run_maintenance()' FROM generate_series(1, 22) \gexec
+\o
+\set ECHO all
+SELECT count(*) AS published FROM kept;
+SELECT published, index_entries <= 50 AS reads_none_of_the_kept FROM round_reads();
+RESET idempotency.outbox_retention;
+DELETE FROM outbox;
+DELETE FROM outbox_routes;
+DROP FUNCTION public.round_reads();
+DROP TABLE public.kept;
+DROP FUNCTION public.keep(idempotency.outbox);
