@@ -637,9 +637,15 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * outbox_ready (topic, id), one descent each (a loose index scan), and
 	 * its oldest looked up there.  "o.id > $2" is checked in the index: the
 	 * entries of the rows published since the last look (which only a
-	 * vacuum removes) are passed over without a visit to the heap.  With none, the walk can start past the
-	 * newest row (a published one, or a dead one, which a requeue tells of),
-	 * rather than read the published rows kept from the first entry on.
+	 * vacuum removes) are passed over without a visit to the heap.  With
+	 * none, the walk can start past the newest row (a published one, or a
+	 * dead one, which a requeue tells of), rather than read the published
+	 * rows kept from the first entry on.  The loose scan still reads each
+	 * topic's entries of the rows published since the last vacuum, so it is
+	 * the look of a round that starts afresh (after $2 = the smallest
+	 * bigint); a round that starts where the last one did looks on from
+	 * there in id order (STMT_PUBLISH_NEXT_EXCEPT), past the rows published
+	 * since, which the batches of that round walked already.
 	 */
 	[STMT_PUBLISH_OLDEST_EXCEPT] = {
 		"WITH RECURSIVE topics(topic) AS ("
@@ -664,6 +670,15 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		" SELECT coalesce(oldest.id, (SELECT o.id + 1 FROM idempotency.outbox o"
 		"                             ORDER BY o.id DESC LIMIT 1))"
 		" FROM oldest",
+		2, {TEXTARRAYOID, INT8OID}, WALK_PLAN
+	},
+	[STMT_PUBLISH_NEXT_EXCEPT] = {
+		"SELECT coalesce((SELECT o.id FROM idempotency.outbox o"
+		"                 WHERE o.id > $2 AND o.topic <> ALL ($1)"
+		"                   AND o.state IN ('pending', 'leased') AND o.published_at IS NULL"
+		"                 ORDER BY o.id LIMIT 1),"
+		"                (SELECT o.id + 1 FROM idempotency.outbox o"
+		"                 ORDER BY o.id DESC LIMIT 1))",
 		2, {TEXTARRAYOID, INT8OID}, WALK_PLAN
 	},
 	[STMT_ROUTES] = {

@@ -520,9 +520,10 @@ publish_candidates(const CandidateList *list, TimestampTz now, bool careful,
  *   the last round's was (round_starts): below it, every row was published,
  *   or dead, or not committed yet when the last round looked.  The walk
  *   across the topics starts at the oldest such row of any topic not
- *   routed to none (STMT_PUBLISH_OLDEST_EXCEPT): its index, the primary
- *   key, holds the published rows kept for outbox_retention as well, and
- *   from its first entry each round would read them all.
+ *   routed to none (STMT_PUBLISH_OLDEST_EXCEPT, topic by topic; from
+ *   the last round's start on, STMT_PUBLISH_NEXT_EXCEPT): its index, the
+ *   primary key, holds the published rows kept for outbox_retention as
+ *   well, and from its first entry each round would read them all.
  *
  * - A commit that enqueues or requeues rows tells the worker the smallest of
  *   their ids (idem_take_enqueued_from), which it takes before each batch's
@@ -645,8 +646,9 @@ walk_after(MaintenanceCursor *cursor, const char *topic, Datum unrouted)
 		point = add_point(cursor, &cursor->round_starts, topic, PG_INT64_MIN);
 	values[0] = across ? unrouted : CStringGetTextDatum(topic);
 	values[1] = Int64GetDatum(point->after);
-	if (outbox_sql_run(across ? STMT_PUBLISH_OLDEST_EXCEPT : STMT_PUBLISH_OLDEST,
-					   values, NULL) == 1)
+	if (outbox_sql_run(!across ? STMT_PUBLISH_OLDEST :
+					   point->after == PG_INT64_MIN ? STMT_PUBLISH_OLDEST_EXCEPT :
+					   STMT_PUBLISH_NEXT_EXCEPT, values, NULL) == 1)
 	{
 		bool		isnull;
 		Datum		oldest = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1,
