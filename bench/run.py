@@ -24,8 +24,8 @@ waiters parked, against the same without them.
 
 Environment: BENCH_SECONDS, BENCH_ROUNDS, BENCH_PUBLISH_SECONDS, BENCH_PURGE_ROWS,
 BENCH_WAITERS (1000), BENCH_PARTS (a subset of
-pairs,shapes,publish,wait,purge,outbox,endtoend,cold), BENCH_E2E_SECONDS (30),
-BENCH_COLD_ROWS (50000), BENCH_EDITION_LINES (EDITION=sql: a subset of
+pairs,shapes,publish,wait,purge,outbox,endtoend,cold,routes), BENCH_E2E_SECONDS (30),
+BENCH_COLD_ROWS (50000), BENCH_ROUTE_ROWS (50000), BENCH_EDITION_LINES (EDITION=sql: a subset of
 replay,claim_complete,mark_processed,enqueue,drain),
 BENCH_PAIRS (names of
 the pairs to run, comma-separated; all by default), BENCH_EXTRA_CONF
@@ -54,7 +54,7 @@ CLIENTS = 8
 THREADS = 2
 PURGE_ROWS = int(os.environ.get("BENCH_PURGE_ROWS", "1000000"))
 PARTS = os.environ.get("BENCH_PARTS",
-                       "pairs,shapes,publish,wait,purge,outbox,endtoend,cold").split(",")
+                       "pairs,shapes,publish,wait,purge,outbox,endtoend,cold,routes").split(",")
 WAITERS = int(os.environ.get("BENCH_WAITERS", "1000"))
 
 # (name in the JSON, our script, the reference script, the bar (None: the
@@ -746,6 +746,60 @@ def bench_cold_relay(cluster, summary):
     cluster.psql("ALTER TABLE idempotency.outbox RESET (autovacuum_enabled)")
 
 
+ROUTE_ROWS = int(os.environ.get("BENCH_ROUTE_ROWS", "50000"))
+
+
+def bench_default_route(cluster, summary):
+    """The worker publishes a backlog of ROUTE_ROWS over three topics (the
+    pairs' payload, to sink_it), with statistics taken while the outbox held
+    as many rows published and kept (outbox_retention): once routed topic by
+    topic, once by a default route ('*') alone.  Rows a second, from the
+    route's setting to the backlog's last row in the sink; the default
+    route's against the topics'.  Each round starts from the same table:
+    the kept rows (published by an UPDATE, as the worker marks them), an
+    ANALYZE, then the backlog, enqueued while no route took its topics."""
+    spread = "ARRAY['spread1', 'spread2', 'spread3']"
+
+    def fill():
+        cluster.psql(f"SELECT count(*) FROM generate_series(0, {ROUTE_ROWS // 100 - 1}) b,"
+                     f" LATERAL idempotency.idem_outbox_enqueue_batch(({spread})[b % 3 + 1],"
+                     f" array_fill('{BENCH_PAYLOAD}'::jsonb, ARRAY[100]))")
+
+    def drain(routes):
+        cluster.psql("TRUNCATE idempotency.outbox, sink")
+        fill()
+        cluster.psql("UPDATE idempotency.outbox SET state = 'published', published_at = now()")
+        cluster.psql("VACUUM (ANALYZE) idempotency.outbox")
+        fill()
+        start = time.perf_counter()
+        cluster.psql(";".join(f"SELECT idempotency.idem_outbox_route('{topic}', 'function', 'sink_it')"
+                              for topic in routes))
+        while int(cluster.psql("SELECT count(*) FROM sink")) < ROUTE_ROWS:
+            if time.perf_counter() - start > 600:
+                raise SystemExit(f"the worker did not publish the backlog with routes {routes}")
+            time.sleep(0.05)
+        took = time.perf_counter() - start
+        cluster.psql("DELETE FROM idempotency.outbox_routes WHERE topic LIKE 'spread%' OR topic = '*'")
+        return ROUTE_ROWS / took
+
+    print(f"\n== publishing a backlog of {ROUTE_ROWS} rows over three topics, statistics taken with"
+          f" as many rows published and kept: a default route against a route per topic", flush=True)
+    cluster.psql("ALTER TABLE idempotency.outbox SET (autovacuum_enabled = off)")
+    cluster.psql("ALTER SYSTEM SET idempotency.outbox_retention = '1h'")
+    cluster.psql("SELECT pg_reload_conf()")
+    topics = drain(["spread1", "spread2", "spread3"])
+    default = drain(["*"])
+    ratio = default / topics
+    print(f"a route per topic: {topics:.0f} rows/s; a default route: {default:.0f} rows/s;"
+          f" default / per topic {ratio:.2f} (bar >= 0.80: {'ok' if ratio >= 0.8 else 'MISS'})",
+          flush=True)
+    summary["default_route_vs_topic_routes"] = round(ratio, 2)
+    cluster.psql("ALTER SYSTEM RESET idempotency.outbox_retention")
+    cluster.psql("SELECT pg_reload_conf()")
+    cluster.psql("TRUNCATE idempotency.outbox, sink")
+    cluster.psql("ALTER TABLE idempotency.outbox RESET (autovacuum_enabled)")
+
+
 def fill_expired(cluster, table):
     cluster.psql(f"""
         INSERT INTO {table} (scope, key, attempt, status_code, body, ttl, created_at,
@@ -1277,6 +1331,9 @@ def main():
             summary["publish_p50_ms"] = round(published["p50"], 2)
             summary["publish_p99_ms"] = round(published["p99"], 2)
             summary["publish_ready_read_per_row"] = round(published["ready_read_per_row"], 1)
+
+        if "routes" in PARTS:
+            bench_default_route(cluster, summary)
 
         if "wait" in PARTS:
             print(f"\n== idem_claim's wait: a cluster of its own, max_connections {WAITERS + 100}")
