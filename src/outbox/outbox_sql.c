@@ -603,7 +603,7 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * and with statistics taken while the outbox held mostly published rows
 	 * kept for outbox_retention, the planner reckoned few rows unpublished
 	 * and read all of outbox_ready, probed the key of each and sorted them:
-	 * 76 ms a batch of 100 with a backlog of 50,000 (15.20), against 1 ms.
+	 * 76 ms a batch of 100 with a backlog of 50,000 (15.18), against 1 ms.
 	 * The walk starts where STMT_PUBLISH_OLDEST_EXCEPT says, past the
 	 * published rows kept at the front of the primary key.
 	 */
