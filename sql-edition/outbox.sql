@@ -991,10 +991,12 @@ BEGIN
 		RETURN;
 	END IF;
 
-	/* planned to walk the indexes in order, as the C edition plans it */
-	saved := ARRAY(SELECT current_setting(s) FROM unnest(walk_settings) AS s);
-	PERFORM set_config(s, CASE WHEN s = 'plan_cache_mode' THEN 'force_custom_plan' ELSE 'off' END, true)
-	FROM unnest(walk_settings) AS s;
+	/* the walks: planned to walk the indexes in order, as the C edition plans them */
+	IF only_ids IS NULL THEN
+		saved := ARRAY(SELECT current_setting(s) FROM unnest(walk_settings) AS s);
+		PERFORM set_config(s, CASE WHEN s = 'plan_cache_mode' THEN 'force_custom_plan' ELSE 'off' END, true)
+		FROM unnest(walk_settings) AS s;
+	END IF;
 	IF only_ids IS NOT NULL THEN
 		/* STMT_PUBLISH_CANDIDATE_ROW, for the rows given */
 		SELECT array_agg(c.id ORDER BY c.id), array_agg(c.event ORDER BY c.id), array_agg(c.target ORDER BY c.id),
@@ -1135,7 +1137,9 @@ BEGIN
 				ORDER BY p.id) AS c;
 		END LOOP;
 	END IF;
-	PERFORM set_config(s.name, s.value, true) FROM unnest(walk_settings, saved) AS s(name, value);
+	IF only_ids IS NULL THEN
+		PERFORM set_config(s.name, s.value, true) FROM unnest(walk_settings, saved) AS s(name, value);
+	END IF;
 	ids := coalesce(ids, '{}');
 	looked := cardinality(ids);
 
