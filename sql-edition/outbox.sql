@@ -1038,18 +1038,19 @@ BEGIN
 		/*
 		 * STMT_PUBLISH_OLDEST_EXCEPT: where the walk across the topics
 		 * starts, past the published rows kept at the front of the primary
-		 * key (a loose index scan of outbox_ready, one descent per topic)
+		 * key (a loose index scan of outbox_ready, one descent per topic; at
+		 * 1,000 topics it gives up, and the walk starts at the first entry)
 		 */
-		WITH RECURSIVE topics(topic) AS (
-		  (SELECT o.topic FROM idempotency.outbox o
+		WITH RECURSIVE topics(topic, n) AS (
+		  (SELECT o.topic, 1 FROM idempotency.outbox o
 		   WHERE o.state IN ('pending', 'leased') AND o.published_at IS NULL
 		   ORDER BY o.topic LIMIT 1)
 		  UNION ALL
 		  SELECT (SELECT o.topic FROM idempotency.outbox o
 				  WHERE o.topic > t.topic
 					AND o.state IN ('pending', 'leased') AND o.published_at IS NULL
-				  ORDER BY o.topic LIMIT 1)
-		  FROM topics t WHERE t.topic IS NOT NULL
+				  ORDER BY o.topic LIMIT 1), t.n + 1
+		  FROM topics t WHERE t.topic IS NOT NULL AND t.n < 1000
 		), oldest(id) AS (
 		  SELECT min(f.id) FROM topics t
 		  CROSS JOIN LATERAL (SELECT o.id FROM idempotency.outbox o
@@ -1058,8 +1059,10 @@ BEGIN
 							  ORDER BY o.topic, o.id LIMIT 1) f
 		  WHERE t.topic <> ALL (routes.unrouted)
 		)
-		SELECT coalesce(oldest.id, (SELECT o.id + 1 FROM idempotency.outbox o
-									ORDER BY o.id DESC LIMIT 1))
+		SELECT CASE WHEN EXISTS (SELECT FROM topics t WHERE t.n = 1000 AND t.topic IS NOT NULL)
+					THEN NULL
+					ELSE coalesce(oldest.id, (SELECT o.id + 1 FROM idempotency.outbox o
+											  ORDER BY o.id DESC LIMIT 1)) END
 		INTO from_id FROM oldest;
 		/* STMT_PUBLISH_CANDIDATES_EXCEPT */
 		SELECT array_agg(c.id ORDER BY c.id), array_agg(c.event ORDER BY c.id), array_agg(c.target ORDER BY c.id),
@@ -1072,7 +1075,7 @@ BEGIN
 			  SELECT o AS event, o.id, o.topic, o.key, o.payload, o.headers, o.created_at
 			  FROM idempotency.outbox o
 			  WHERE o.state = 'pending' AND o.published_at IS NULL AND o.available_at <= now_ts
-				AND o.topic <> ALL (routes.unrouted) AND o.id >= from_id
+				AND o.topic <> ALL (routes.unrouted) AND o.id >= coalesce(from_id, -9223372036854775808)
 				AND NOT EXISTS (SELECT FROM idempotency.outbox e
 								WHERE e.topic = o.topic AND e.key = o.key AND e.id < o.id
 								  AND e.state <> 'published' AND e.published_at IS NULL

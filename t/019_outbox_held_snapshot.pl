@@ -299,5 +299,17 @@ cmp_ok($read, '<=', 4 * $batch,
 is($published, 0, 'then everything is published');
 cmp_ok($read, '<=', 50, 'a round with nothing to publish reads none of the kept rows');
 
+# More topics with unpublished rows than the loose scan looks through: the
+# walk starts at the first entry, as before the scan, and every row goes out.
+$node->safe_psql('postgres', q{
+	SELECT count(*) FROM generate_series(1, 1001) t,
+		LATERAL idempotency.idem_outbox_enqueue('many' || t, '{"n": 3}');
+});
+publish_all();
+is($node->safe_psql('postgres',
+		"SELECT count(*) FILTER (WHERE state = 'published') || ' ' || count(*)"
+		  . " FROM idempotency.outbox WHERE topic LIKE 'many%'"),
+	'1001 1001', 'the rows of 1,001 topics are all published');
+
 $node->stop;
 done_testing();

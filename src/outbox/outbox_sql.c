@@ -81,6 +81,9 @@
  */
 #define ONE_TOPIC(param) "o.topic >= " param " AND o.topic <= " param
 
+/* The most topics STMT_PUBLISH_OLDEST_EXCEPT looks through (see there). */
+#define OLDEST_TOPICS_MAX "1000"
+
 /*
  * The worker's candidates, in two steps.  First the ids: ready pending rows
  * of the routed topics, oldest first, skipping rows another transaction
@@ -645,19 +648,22 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 * the look of a round that starts afresh (after $2 = the smallest
 	 * bigint); a round that starts where the last one did looks on from
 	 * there in id order (STMT_PUBLISH_NEXT_EXCEPT), past the rows published
-	 * since, which the batches of that round walked already.
+	 * since, which the batches of that round walked already.  Each topic
+	 * costs the loose scan two descents (10,000 topics with a row each:
+	 * 44 ms on 15.18), so it gives up at OLDEST_TOPICS_MAX topics, and the
+	 * walk starts where it did before, after $2.
 	 */
 	[STMT_PUBLISH_OLDEST_EXCEPT] = {
-		"WITH RECURSIVE topics(topic) AS ("
-		"  (SELECT o.topic FROM idempotency.outbox o"
+		"WITH RECURSIVE topics(topic, n) AS ("
+		"  (SELECT o.topic, 1 FROM idempotency.outbox o"
 		"   WHERE o.id > $2 AND o.state IN ('pending', 'leased') AND o.published_at IS NULL"
 		"   ORDER BY o.topic LIMIT 1)"
 		"  UNION ALL"
 		"  SELECT (SELECT o.topic FROM idempotency.outbox o"
 		"          WHERE o.topic > t.topic AND o.id > $2"
 		"            AND o.state IN ('pending', 'leased') AND o.published_at IS NULL"
-		"          ORDER BY o.topic LIMIT 1)"
-		"  FROM topics t WHERE t.topic IS NOT NULL"
+		"          ORDER BY o.topic LIMIT 1), t.n + 1"
+		"  FROM topics t WHERE t.topic IS NOT NULL AND t.n < " OLDEST_TOPICS_MAX
 		")"
 		", oldest(id) AS ("
 		"  SELECT min(f.id) FROM topics t"
@@ -667,8 +673,11 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 		"                      ORDER BY o.topic, o.id LIMIT 1) f"
 		"  WHERE t.topic <> ALL ($1)"
 		")"
-		" SELECT coalesce(oldest.id, (SELECT o.id + 1 FROM idempotency.outbox o"
-		"                             ORDER BY o.id DESC LIMIT 1))"
+		" SELECT CASE WHEN EXISTS (SELECT FROM topics t"
+		"                          WHERE t.n = " OLDEST_TOPICS_MAX " AND t.topic IS NOT NULL)"
+		"             THEN $2 + 1"
+		"             ELSE coalesce(oldest.id, (SELECT o.id + 1 FROM idempotency.outbox o"
+		"                                       ORDER BY o.id DESC LIMIT 1)) END"
 		" FROM oldest",
 		2, {TEXTARRAYOID, INT8OID}, WALK_PLAN
 	},
