@@ -46,5 +46,28 @@ is(call(qq{
 	join(',', map { "$_:1" } sort ($first, $second)),
 	'... one of each shard, not two of the first: each has one left');
 
+# With a default route, the walk across the topics on each shard: a round
+# starts at the shard's oldest unpublished row (the statements run on the
+# shards under their names), and every row goes out, one batch of each
+# shard a call.
+call(q{SELECT idempotency.idem_outbox_route('*', 'notify')});
+for my $topic ($first, $second)
+{
+	call(qq{SELECT idempotency.idem_outbox_enqueue('$topic', '{"n": $_}')}) for 3 .. 5;
+}
+is($w1->safe_psql('postgres', q{SELECT published FROM idempotency.idem_run_maintenance()}),
+	'2', 'with a default route too, a batch of one row of each shard');
+my $published = 2;
+for (1 .. 10)
+{
+	my $n = $w1->safe_psql('postgres', q{SELECT published FROM idempotency.idem_run_maintenance()});
+	last if $n == 0;
+	$published += $n;
+}
+is($published, 8, '... and then the rest, the rows of both topics');
+is(call(qq{SELECT count(*) FROM idempotency.outbox
+		   WHERE topic IN ('$first', '$second') AND published_at IS NULL}),
+	'0', '... none left');
+
 $cluster->stop;
 done_testing();
