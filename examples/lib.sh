@@ -15,7 +15,15 @@ need_node() {
 	done
 	export npm_config_cache=${npm_config_cache:-${EXAMPLE_TMP:-${TMPDIR:-/tmp}}/npm-cache}
 	export npm_config_update_notifier=false
-	npm ci --no-audit --no-fund --loglevel=error
+	if ! npm ci --no-audit --no-fund --loglevel=error; then
+		# npm's cache names its temporary files from 4 random bytes and
+		# opens them exclusively, so that now and then one exists already
+		# (EEXIST on _cacache/tmp/..., npm/cli#7308; seen once in the
+		# bookworm chroot): once more, with a cache of its own
+		echo "npm ci failed: once more, with an empty cache" >&2
+		export npm_config_cache=$npm_config_cache.again
+		npm ci --no-audit --no-fund --loglevel=error
+	fi
 }
 
 # need_python MODULE:PACKAGE...: Debian's python3 ($PY) imports each module,
