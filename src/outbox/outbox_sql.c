@@ -81,6 +81,15 @@
  */
 #define ONE_TOPIC(param) "o.topic >= " param " AND o.topic <= " param
 
+/*
+ * Where a round of the worker starts a walk (STMT_PUBLISH_OLDEST and the
+ * like): the rows still to go, pending or leased; a dead one waits for a
+ * requeue, which tells the worker.  Past the newest row: where a walk
+ * starts that has none of them before it.
+ */
+#define STILL_TO_GO "o.state IN ('pending', 'leased') AND o.published_at IS NULL"
+#define PAST_THE_NEWEST "(SELECT o.id + 1 FROM idempotency.outbox o ORDER BY o.id DESC LIMIT 1)"
+
 /* The most topics STMT_PUBLISH_OLDEST_EXCEPT looks through (see there). */
 #define OLDEST_TOPICS_MAX "1000"
 
@@ -627,67 +636,54 @@ static const StatementDef statements[NUM_STATEMENTS] = {
 	 */
 	[STMT_PUBLISH_OLDEST] = {
 		"SELECT o.id FROM idempotency.outbox o"
-		" WHERE " ONE_TOPIC("$1") " AND o.id > $2"
-		"   AND o.state IN ('pending', 'leased') AND o.published_at IS NULL"
+		" WHERE " ONE_TOPIC("$1") " AND o.id > $2 AND " STILL_TO_GO
 		" ORDER BY o.topic, o.id LIMIT 1",
 		2, {TEXTOID, INT8OID}, WALK_PLAN
 	},
 	/*
-	 * The same for the walk across the topics (STMT_PUBLISH_CANDIDATES_EXCEPT):
-	 * the oldest row after $2 that is pending or leased, of any topic but
-	 * those routed to none ($1).  No index holds only the unpublished rows
-	 * in id order across topics, so each topic that has any is found in
+	 * The same for the walk across the topics (STMT_PUBLISH_CANDIDATES_EXCEPT),
+	 * when a round starts afresh: the oldest row still to go of any topic
+	 * but those routed to none ($1).  No index holds only those rows in id
+	 * order across topics, so each topic that has any is found in
 	 * outbox_ready (topic, id), one descent each (a loose index scan), and
-	 * its oldest looked up there.  "o.id > $2" is checked in the index: the
-	 * entries of the rows published since the last look (which only a
-	 * vacuum removes) are passed over without a visit to the heap.  With
-	 * none, the walk can start past the newest row (a published one, or a
-	 * dead one, which a requeue tells of), rather than read the published
-	 * rows kept from the first entry on.  The loose scan still reads each
-	 * topic's entries of the rows published since the last vacuum, so it is
-	 * the look of a round that starts afresh (after $2 = the smallest
-	 * bigint); a round that starts where the last one did looks on from
-	 * there in id order (STMT_PUBLISH_NEXT_EXCEPT), past the rows published
-	 * since, which the batches of that round walked already.  Each topic
-	 * costs the loose scan two descents (10,000 topics with a row each:
-	 * 44 ms on 15.18), so it gives up at OLDEST_TOPICS_MAX topics, and the
-	 * walk starts where it did before, after $2.
+	 * its oldest looked up there.  With none, the walk starts past the
+	 * newest row (a published one, or a dead one, which a requeue tells of)
+	 * rather than read the published rows kept from the first entry on.
+	 * Each topic costs the loose scan two descents (10,000 topics with a row
+	 * each: 44 ms on 15.18), so it gives up at OLDEST_TOPICS_MAX topics
+	 * (NULL: the walk starts at the first entry, as it did before).  It also
+	 * reads each topic's entries of the rows published since the last
+	 * vacuum, so a round that starts where the last one did looks on from
+	 * there in id order instead (STMT_PUBLISH_NEXT_EXCEPT, after $2), past
+	 * the rows published since, which that round's batches walked already.
 	 */
 	[STMT_PUBLISH_OLDEST_EXCEPT] = {
 		"WITH RECURSIVE topics(topic, n) AS ("
-		"  (SELECT o.topic, 1 FROM idempotency.outbox o"
-		"   WHERE o.id > $2 AND o.state IN ('pending', 'leased') AND o.published_at IS NULL"
+		"  (SELECT o.topic, 1 FROM idempotency.outbox o WHERE " STILL_TO_GO
 		"   ORDER BY o.topic LIMIT 1)"
 		"  UNION ALL"
 		"  SELECT (SELECT o.topic FROM idempotency.outbox o"
-		"          WHERE o.topic > t.topic AND o.id > $2"
-		"            AND o.state IN ('pending', 'leased') AND o.published_at IS NULL"
+		"          WHERE o.topic > t.topic AND " STILL_TO_GO
 		"          ORDER BY o.topic LIMIT 1), t.n + 1"
 		"  FROM topics t WHERE t.topic IS NOT NULL AND t.n < " OLDEST_TOPICS_MAX
 		")"
 		", oldest(id) AS ("
 		"  SELECT min(f.id) FROM topics t"
 		"  CROSS JOIN LATERAL (SELECT o.id FROM idempotency.outbox o"
-		"                      WHERE " ONE_TOPIC("t.topic") " AND o.id > $2"
-		"                        AND o.state IN ('pending', 'leased') AND o.published_at IS NULL"
+		"                      WHERE " ONE_TOPIC("t.topic") " AND " STILL_TO_GO
 		"                      ORDER BY o.topic, o.id LIMIT 1) f"
 		"  WHERE t.topic <> ALL ($1)"
 		")"
-		" SELECT CASE WHEN EXISTS (SELECT FROM topics t"
-		"                          WHERE t.n = " OLDEST_TOPICS_MAX " AND t.topic IS NOT NULL)"
-		"             THEN $2 + 1"
-		"             ELSE coalesce(oldest.id, (SELECT o.id + 1 FROM idempotency.outbox o"
-		"                                       ORDER BY o.id DESC LIMIT 1)) END"
+		" SELECT CASE WHEN NOT EXISTS (SELECT FROM topics t"
+		"                              WHERE t.n = " OLDEST_TOPICS_MAX " AND t.topic IS NOT NULL)"
+		"             THEN coalesce(oldest.id, " PAST_THE_NEWEST ") END"
 		" FROM oldest",
-		2, {TEXTARRAYOID, INT8OID}, WALK_PLAN
+		1, {TEXTARRAYOID}, WALK_PLAN
 	},
 	[STMT_PUBLISH_NEXT_EXCEPT] = {
 		"SELECT coalesce((SELECT o.id FROM idempotency.outbox o"
-		"                 WHERE o.id > $2 AND o.topic <> ALL ($1)"
-		"                   AND o.state IN ('pending', 'leased') AND o.published_at IS NULL"
-		"                 ORDER BY o.id LIMIT 1),"
-		"                (SELECT o.id + 1 FROM idempotency.outbox o"
-		"                 ORDER BY o.id DESC LIMIT 1))",
+		"                 WHERE o.id > $2 AND o.topic <> ALL ($1) AND " STILL_TO_GO
+		"                 ORDER BY o.id LIMIT 1), " PAST_THE_NEWEST ")",
 		2, {TEXTARRAYOID, INT8OID}, WALK_PLAN
 	},
 	[STMT_ROUTES] = {

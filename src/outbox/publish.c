@@ -654,7 +654,10 @@ walk_after(MaintenanceCursor *cursor, const char *topic, Datum unrouted)
 		Datum		oldest = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1,
 										   &isnull);
 
-		/* the walk across the topics finds nothing only in an empty outbox */
+		/*
+		 * the walk across the topics: NULL in an empty outbox, or where
+		 * the look for the oldest gave up (too many topics)
+		 */
 		if (!isnull)
 			point->after = DatumGetInt64(oldest) - 1;
 	}
